@@ -386,31 +386,33 @@ def test_an_older_page_delivery_cannot_overwrite_a_newer_one(
     assert api.post("/v1/pages", content=later, headers=signed(later, timestamp=now + 1)).status_code == 202
 
 
-def test_a_signed_delivery_covers_its_second_beside_a_keyed_one_dated_to_the_microsecond(
-    factory: sessionmaker[Session],
+def test_a_signed_delivery_in_the_second_another_was_stored_in_is_told_to_sign_again(
+    api: TestClient, factory: sessionmaker[Session]
 ) -> None:
-    """A signed delivery is dated to its signature's second, a keyed one (or `factmill ingest`) to the
-    microsecond: content signed later in the second a keyed delivery was stored in was refused as
-    older (409, which a webhook sender takes as final: the newer content was lost)."""
-    from datetime import UTC, datetime
-
-    from worker.extraction.pages import PageIn, StaleDeliveryError, upsert_page
-
-    second = datetime(2026, 12, 7, 10, 0, 0, tzinfo=UTC)
-
-    def deliver(text: str, at: datetime) -> bool:
-        page = PageIn(source_id="default", slug="order/second", type="conversation", compiled_truth=text)
-        with factory.begin() as session:
-            return upsert_page(session, page, at).changed
-
-    assert deliver("keyed", second + timedelta(milliseconds=300))
-    with pytest.raises(StaleDeliveryError):  # a keyed one that arrived earlier is still older
-        deliver("keyed, arrived earlier", second + timedelta(milliseconds=100))
-    assert deliver("signed later in that second", second)  # t=10:00:00, signed at 10:00:00.8
-    with pytest.raises(StaleDeliveryError):  # a signature of the second before is older
-        deliver("signed before", second - timedelta(seconds=1))
+    """A signature is dated to its second, a keyed delivery (or `factmill ingest`) to the microsecond:
+    which came first within that second is not known. Refused as "older" with nothing more, the newer
+    content was lost (a sender takes a 409 as final); taken as newer, a signed retry, or a delivery that
+    waited on the row, replaced content stored after it. It is refused with the reason and Retry-After."""
+    key = new_key(factory, ["ingest"])
+    second = int(time.time()) - 10
+    keyed = page_body("order/second", body=CONVERSATION + "\nkeyed")
+    headers = bearer(key) | {"Content-Type": "application/json"}
+    assert api.post("/v1/pages", content=keyed, headers=headers).status_code == 202
+    with factory.begin() as session:  # stored 300 ms into the second the signature below is dated to
+        session.execute(
+            update(Page).values(delivered_at=func.to_timestamp(second) + timedelta(milliseconds=300))
+        )
+    same = page_body("order/second", body=CONVERSATION + "\nsigned in that second")
+    refused = api.post("/v1/pages", content=same, headers=signed(same, timestamp=second))
+    assert refused.status_code == 409 and refused.headers["Retry-After"] == "1", refused.text
+    assert "if this is the newer content, sign it again a second later" in refused.json()["detail"]
+    later = api.post("/v1/pages", content=same, headers=signed(same, timestamp=second + 1))
+    assert later.status_code == 202, later.text
+    older = page_body("order/second", body=CONVERSATION + "\nolder")
+    stale = api.post("/v1/pages", content=older, headers=signed(older, timestamp=second - 5))
+    assert stale.status_code == 409 and "Retry-After" not in stale.headers  # plainly older: no hint
     with factory() as session:
-        assert session.scalars(select(Page.compiled_truth)).one() == "signed later in that second"
+        assert session.scalars(select(Page.compiled_truth)).one().endswith("signed in that second")
 
 
 def test_an_operators_ingest_is_dated_so_a_senders_older_retry_cannot_undo_it(

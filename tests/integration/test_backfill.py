@@ -566,6 +566,18 @@ def test_a_swap_given_up_records_its_earlier_results_as_discarded_not_done(facto
     assert statuses.get("done", 0) == 0 and statuses["discarded"] == 2 + (SEGMENTS_PER_PAGE - 3)
     assert statuses["failed"] == 1
     assert not any("Globex" in fact for _, _, fact in facts_of(factory, "bf"))  # the old facts stand
+    # Their audit rows say they were held (as "ok, N facts" alone, they looked committed), as an online
+    # re-extraction's do; the calls keep no note (on a call that succeeded it read as an error).
+    from models import ExtractionAudit, LLMCall
+    from worker.extraction.rows import HELD_NOTE
+
+    with factory() as session:
+        audit = session.execute(
+            select(ExtractionAudit.outcome, ExtractionAudit.error).where(ExtractionAudit.job_id == job_id)
+        ).all()
+        noted = session.scalar(select(func.count()).where(LLMCall.error == HELD_NOTE))
+    assert [row for row in audit if row.outcome == "ok"] == [("ok", HELD_NOTE)] * 2, audit
+    assert noted == 0
 
 
 def test_max_segments_has_one_bound_for_the_api_and_the_cli(factory):

@@ -1434,6 +1434,9 @@ def test_cli_retire_puts_the_gates_back_on_the_fallback_until_a_recompute_earns_
     retired = cli("retire")
     assert retired.exit_code == 0 and f"version {earned.version} (τ = " in retired.output, retired.output
     assert current(factory) == FALLBACK
+    # The version's history says so (else it looked replaced by a successor that never came).
+    [row] = [v for v in versions(factory) if v.version == earned.version]
+    assert not row.active and "; retired by hand at " in row.reason, row.reason
     # Nothing new: the next recompute writes nothing and activates nothing; --force evaluates again.
     assert cli("recompute", "--now").exit_code == 0 and current(factory) == FALLBACK
     again = cli("retire", "--json")

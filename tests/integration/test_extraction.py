@@ -763,6 +763,8 @@ def test_force_yields_the_same_facts_without_duplicates(pages, llm):
             select(ExtractionAudit.outcome, ExtractionAudit.error).where(ExtractionAudit.id > before)
         ).all()
     assert held and all(row == ("ok", HELD_NOTE) for row in held), held
+    with pages() as session:  # the audit rows' note: on a call that succeeded it read as an error
+        assert session.scalar(select(func.count()).where(LLMCall.error.is_not(None))) == 0
 
 
 def test_a_forced_run_overtaken_by_the_page_s_job_replaces_nothing(pages, llm):

@@ -381,7 +381,15 @@ def test_a_page_re_extracted_whole_that_the_provider_left_mid_run_waits_on_the_c
     put_page(factory, "chats/whole", body=SAMPLE_BODY.replace("I just signed", "I just signed and sealed"))
     with factory.begin() as session:
         job_id = request_job(session, EXTRACTION, subject).job_id
-    rt._llm = AnswersThenDown(rt.llm, answers=1)  # the first segment answered, the second not
+    real = rt.llm
+    rt._llm = AnswersThenDown(real, answers=1)  # the first segment answered, the second not
     assert run_job(rt, job_id, EXTRACTION).status == "retry"
     state = job(factory, job_id)
     assert (state.attempts, state.worker_losses) == (0, 0) and state.provider_outage_since is not None
+    # Its answered segment is not kept (the swap never came): the clock runs on, not restarted by it,
+    # or every run paid for that segment again for as long as the provider failed the next.
+    set_job(factory, job_id, provider_outage_since=now() - timedelta(seconds=PATIENCE + 60))
+    due(factory, job_id)
+    rt._llm = AnswersThenDown(real, answers=1)
+    run_job(rt, job_id, EXTRACTION)
+    assert job(factory, job_id).status == "failed"

@@ -179,11 +179,14 @@ class Ingest:
             return lambda _session: signed
         return functools.partial(arrival_by_database_clock, arrived=self.arrived_monotonic)
 
-    def erased_in_its_second(self, in_its_second: bool) -> tuple[str, dict[str, str] | None]:
-        """What a 409 for a delivery older than an erasure adds, and its headers: for a signed one the
-        erasure fell in the second of its signature, which is dated to the second, to wait one."""
+    def erased_in_its_second(
+        self, in_its_second: bool, hint: str = SAME_SECOND_HINT
+    ) -> tuple[str, dict[str, str] | None]:
+        """What a 409 for a delivery older than an erasure (or, with ``hint``, than another delivery)
+        adds, and its headers: for a signed one it fell in the second of its signature, which is dated
+        to the second, to wait one."""
         if in_its_second and self.signature is not None:
-            return SAME_SECOND_HINT, {"Retry-After": "1"}
+            return hint, {"Retry-After": "1"}
         return "", None
 
     @property

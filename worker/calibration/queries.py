@@ -330,11 +330,11 @@ def active_threshold(session: Session) -> ActiveThreshold:
     return ActiveThreshold(float(row.tau), int(row.version))
 
 
-def deactivate_versions(session: Session) -> None:
-    """Retire the active version (a new one is about to take its place)."""
-    session.execute(
-        update(CalibrationThreshold).where(CalibrationThreshold.active.is_(True)).values(active=False)
-    )
+def deactivate_versions(session: Session, why: str = "") -> None:
+    """Retire the active version (a new one is about to take its place); ``why`` is added to its reason."""
+    reason = CalibrationThreshold.reason + why if why else CalibrationThreshold.reason
+    active = CalibrationThreshold.active.is_(True)
+    session.execute(update(CalibrationThreshold).where(active).values(active=False, reason=reason))
 
 
 # How long a recompute polls for the observations lock before it queues for it (for at most

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -259,7 +260,7 @@ def retire_active(store: CalibrationStore) -> ActiveThreshold:
     with store.recomputing() as versions:
         current = versions.active()
         if current.version is not None:
-            versions.retire_active()
+            versions.retire_active(f"; retired by hand at {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC")
             logger.warning("calibration version %s (τ=%s) retired by hand", current.version, current.tau)
     return current
 

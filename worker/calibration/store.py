@@ -62,9 +62,9 @@ class VersionWriter:
             return False
         return row.n > queries.observations_extent(self._session, row.max_observation_id)[1]
 
-    def retire_active(self) -> None:
-        """No version is active after this (gates take the shipped fallback τ)."""
-        queries.deactivate_versions(self._session)
+    def retire_active(self, why: str = "") -> None:
+        """No version is active after this (gates take the shipped fallback τ); ``why`` joins its reason."""
+        queries.deactivate_versions(self._session, why)
 
     def record(
         self,

@@ -372,8 +372,10 @@ def recompute_command(
 def retire_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Retire the active threshold version: the quality gate takes the fallback τ until a recompute
-    earns a new one (workers see it within FACTMILL_THRESHOLD_CACHE_SECONDS)."""
+    """Retire the active threshold version: gates take the fallback τ until one is earned.
+
+    Workers see it within FACTMILL_THRESHOLD_CACHE_SECONDS; a recompute with nothing new activates
+    nothing, and `recompute --now --force` evaluates again."""
     retired = retire_active_version(checked_factory())
     if as_json:
         _print_json(

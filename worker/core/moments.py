@@ -16,10 +16,14 @@ def as_utc(moment: datetime) -> datetime:
 # second, counts as older (re-signed at once, it was refused again). A keyed delivery is dated to the
 # microsecond on arrival: the hint is not for it.
 SAME_SECOND_HINT = " (signatures are dated to the second: sign it again a second after the erasure)"
+STORED_IN_ITS_SECOND_HINT = (
+    " (signatures are dated to the second, and another delivery stored the page within this one's: "
+    "if this is the newer content, sign it again a second later)"
+)
 
 
 def within_a_second(earlier: datetime, later: datetime) -> bool:
     return later - earlier < timedelta(seconds=1)
 
 
-__all__ = ["SAME_SECOND_HINT", "as_utc", "within_a_second"]
+__all__ = ["SAME_SECOND_HINT", "STORED_IN_ITS_SECOND_HINT", "as_utc", "within_a_second"]

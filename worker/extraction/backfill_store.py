@@ -19,7 +19,7 @@ from worker.accounting import Ledger
 from worker.core.conversation import Segment
 from worker.extraction.backfill_rows import BatchRow, PlannedBatch, RequestRow
 from worker.extraction.page_version import page_erased
-from worker.extraction.rows import SegmentPlace, call_records
+from worker.extraction.rows import SegmentPlace, call_records, held_note
 from worker.extraction.segments import Attempt
 from worker.extraction.store import ExtractionStore, PageVersion
 from worker.llm.batch_api import PROVIDER_WINDOW
@@ -126,7 +126,7 @@ class BackfillSegmentStore(ExtractionStore):
             if page is not None and page_erased(session, page.page_id):
                 self._write_spend(session, unused)
                 return
-            self._write_rows(session, unused)
+            self._write_rows(session, unused, released=True)
 
     def forget_held(self) -> None:
         """Drop what is held (the page's commit ended without writing it: its requests are still
@@ -138,12 +138,15 @@ class BackfillSegmentStore(ExtractionStore):
         held, self._held = self._held, []  # a swap refused rolls back: its requests stay pending
         self._write_rows(session, held)
 
-    def _write_rows(self, session: Session, held: Sequence[_Held]) -> None:
+    def _write_rows(self, session: Session, held: Sequence[_Held], *, released: bool = False) -> None:
+        """The held rows; ``released`` (no swap came): an answered segment's say it was held, as online
+        runs' do (as "ok, N facts" alone, they looked committed)."""
         outer = self.marking
         try:
             for one in held:
                 self.marking = one.marking
-                self._write_attempts(session, one.place, one.attempts, permanent=one.permanent)
+                note = held_note(one.attempts) if released else None
+                self._write_attempts(session, one.place, one.attempts, note, permanent=one.permanent)
         finally:
             self.marking = outer
 

@@ -145,9 +145,11 @@ def extract_page(ctx: JobContext) -> WorkResult:
             counters=counters_dict,
             note=reason,
             # (An outage that began mid-run, not the page's. A page re-extracted whole commits at its end:
-            # the segments it held for the swap went forward too, or an outage mid-run spent an attempt.)
-            progressed=counters.segments_processed + counters.segments_skipped > 0
-            or any(p.segments for p in failed),
+            # segments held for the swap were answered but are not kept, so the run cannot say: the clock
+            # runs on, neither restarted (every run paid for them again) nor an attempt spent (it was).)
+            progressed=True
+            if counters.segments_processed + counters.segments_skipped > 0
+            else (None if any(p.segments for p in failed) else False),
         )
     if settings.consolidate_after_extraction and not embedding_follows(rt, counters):
         # Lifecycle: one consolidation job per entity of the page's unconsolidated facts and of its

@@ -9,7 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from sqlalchemy import and_, bindparam, func, or_, select, update
+from sqlalchemy import bindparam, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
@@ -187,8 +187,11 @@ class StaleDeliveryError(ValueError):
             f"older than {newer}; send the newest content with a fresh signature"
         )
         self.source_id, self.slug, self.stored_at, self.erased = source_id, slug, stored_at, erased
-        # Erased in the second it was signed in (moments.SAME_SECOND_HINT, for a signed delivery).
-        self.in_its_second = erased and stored_at is not None and within_a_second(delivered_at, stored_at)
+        # Erased, or stored by another delivery, in the second it was signed in: a signature is dated to
+        # the second, so which came first is not known (moments.SAME_SECOND_HINT and
+        # STORED_IN_ITS_SECOND_HINT, for a signed delivery: sign it again a second later). Taken as newer,
+        # a signed delivery's retry, or one that waited on the row, replaced content stored after it.
+        self.in_its_second = stored_at is not None and within_a_second(delivered_at, stored_at)
 
 
 # Built once (Core, on the table): a webhook runs them for every page, and building an ORM statement
@@ -211,13 +214,6 @@ _UPSERT = _INSERT.on_conflict_do_update(
         _INSERT.excluded.delivered_at.is_(None),
         PAGES.c.delivered_at.is_(None),
         PAGES.c.delivered_at <= _INSERT.excluded.delivered_at,
-        # A signed delivery is dated to its signature's second: it covers that second. Beside a keyed
-        # one dated to the microsecond (an API key's arrival, `factmill ingest`'s now()), newer content
-        # signed later in the same second was refused as "older" (409, and a sender took it as final).
-        and_(
-            _INSERT.excluded.delivered_at == func.date_trunc("second", _INSERT.excluded.delivered_at),
-            func.date_trunc("second", PAGES.c.delivered_at) <= _INSERT.excluded.delivered_at,
-        ),
     ),
 ).returning(PAGES.c.id)
 

@@ -151,6 +151,9 @@ def errors_of(attempts: Sequence[Attempt], note: str | None) -> list[str | None]
 def call_records(
     place: SegmentPlace, attempts: Sequence[Attempt], note: str | None = None
 ) -> list[LLMCallRecord]:
+    """The llm_calls rows of a segment's attempts. HELD_NOTE stays on the audit rows: on a call that
+    succeeded it read as an error, and an erasure replaced it with "the provider's message went"."""
+    note = None if note == HELD_NOTE else note
     return [
         LLMCallRecord(
             purpose=LLM_PURPOSE,

@@ -32,6 +32,7 @@ from worker.api.deps import (
 from worker.api.errors import ApiError, error_responses, problems_of, summarize
 from worker.api.inputs import StorableStr, page_address
 from worker.core.labels import listed_names
+from worker.core.moments import SAME_SECOND_HINT, STORED_IN_ITS_SECOND_HINT
 from worker.core.slugs import stored_form
 from worker.deliveries import REPLAYED_HEADERS, Answer, deliver_once, replayed_answer, scoped_key
 from worker.extraction.erase import erase_page, no_page_to_erase
@@ -209,7 +210,9 @@ def accept_pages(ctx: ApiContext, body: bytes, ingest: Ingest, key: str | None) 
     try:
         response, pending, replayed = store_pages(ctx.factory, pages, delivery, body_hash, delivered_at)
     except StaleDeliveryError as exc:
-        hint, retry = ingest.erased_in_its_second(exc.in_its_second)
+        hint, retry = ingest.erased_in_its_second(
+            exc.in_its_second, SAME_SECOND_HINT if exc.erased else STORED_IN_ITS_SECOND_HINT
+        )
         raise ApiError(409, str(exc) + hint, headers=retry, source_id=exc.source_id, slug=exc.slug) from None
     if replayed:
         # The digest's head, as stored: the sender's key may name a person.
