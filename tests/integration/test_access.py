@@ -405,7 +405,9 @@ def test_a_signed_delivery_in_the_second_another_was_stored_in_is_told_to_sign_a
     same = page_body("order/second", body=CONVERSATION + "\nsigned in that second")
     refused = api.post("/v1/pages", content=same, headers=signed(same, timestamp=second))
     assert refused.status_code == 409 and refused.headers["Retry-After"] == "1", refused.text
-    assert "if this is the newer content, sign it again a second later" in refused.json()["detail"]
+    detail = refused.json()["detail"]
+    assert "is not known to be newer than the stored one" in detail, detail
+    assert "if this is the newer content, sign it again a second later" in detail
     later = api.post("/v1/pages", content=same, headers=signed(same, timestamp=second + 1))
     assert later.status_code == 202, later.text
     older = page_body("order/second", body=CONVERSATION + "\nolder")

@@ -682,7 +682,11 @@ def test_a_page_edited_during_its_batch_is_recorded_as_discarded(factory, rt, si
     assert drive(rt, job_id).status == "succeeded"
 
     assert request_statuses(factory, backfill_id) == {"done": 4, "discarded": 4}
-    assert len(calls_of(factory, job_id)) == 8  # the discarded results were paid for: recorded once
+    calls = calls_of(factory, job_id)
+    assert len(calls) == 8  # the discarded results were paid for: recorded once
+    # An answered call keeps no error: a note there was replaced by "the provider's message went with
+    # the erasure", of a call that had none, of a page never erased.
+    assert [call.error for call in calls if call.outcome == "ok"] == [None] * 8
     assert terminal_slugs(factory, "bf") == {slugs[1]}
     assert slugs[0] not in {slug for slug, _, _ in facts_of(factory, "bf")}
 

@@ -340,15 +340,21 @@ def test_a_run_the_database_cut_short_leaves_the_clock_unless_it_fails_the_job(
 
 
 class AnswersThenDown:
-    """``llm``, answering its first ``answers`` chats, then a 503 past the retry layer (an outage)."""
+    """``llm``, answering its first ``answers`` chats (``garbled``: with text that is no JSON), then a
+    503 past the retry layer (an outage)."""
 
-    def __init__(self, llm, answers: int) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, llm, answers: int, *, garbled: bool = False) -> None:  # type: ignore[no-untyped-def]
         self.llm, self.provider, self.model, self.left = llm, llm.provider, llm.model, answers
+        self.garbled = garbled
 
     def chat(self, request):  # type: ignore[no-untyped-def]
+        from worker.llm.types import ChatResponse, Usage
+
         self.left -= 1
         if self.left < 0:
             raise LLMError("HTTP 503: overloaded", retryable=True, status=503)
+        if self.garbled:
+            return ChatResponse("no facts here, sorry", "end", Usage(100, 10), self.provider, self.model, 5)
         return self.llm.chat(request)
 
     def embed(self, texts, *, purpose="embedding"):  # type: ignore[no-untyped-def]
@@ -393,3 +399,38 @@ def test_a_page_re_extracted_whole_that_the_provider_left_mid_run_waits_on_the_c
     rt._llm = AnswersThenDown(real, answers=1)
     run_job(rt, job_id, EXTRACTION)
     assert job(factory, job_id).status == "failed"
+
+
+def test_a_page_re_extracted_whole_whose_answered_segment_was_skipped_waits_on_the_clock_too(
+    factory, runtime, sim
+) -> None:
+    """Its only answered segment was skipped (a permanent failure, answered all the same): counted as
+    nothing answered, an outage that began mid-run spent an attempt on every run."""
+    from tests.integration.test_extraction import SAMPLE_BODY, put_page
+    from worker.config_store import set_config
+    from worker.jobs.outbox import page_subject
+
+    rt = runtime(
+        llm="simulator",
+        simulator_url=sim.base_url,
+        llm_max_attempts=1,
+        llm_concurrency=1,
+        consolidate_after_extraction=False,
+        embed_after_extraction=False,
+        job_provider_outage_patience_seconds=PATIENCE,
+    )
+    subject = page_subject("default", "chats/skipped")
+    put_page(factory, "chats/skipped")
+    with factory.begin() as session:
+        first = request_job(session, EXTRACTION, subject).job_id
+    assert run_job(rt, first, EXTRACTION).status == "succeeded"
+    with factory.begin() as session:
+        set_config(session, "extraction.max_segment_failures", "1")
+    put_page(factory, "chats/skipped", body=SAMPLE_BODY.replace("I just signed", "I just signed and sealed"))
+    with factory.begin() as session:
+        job_id = request_job(session, EXTRACTION, subject).job_id
+    # The first segment's reply and its repair are no JSON (skipped at once), the second meets an outage.
+    rt._llm = AnswersThenDown(rt.llm, answers=2, garbled=True)
+    assert run_job(rt, job_id, EXTRACTION).status == "retry"
+    state = job(factory, job_id)
+    assert (state.attempts, state.worker_losses) == (0, 0) and state.provider_outage_since is not None

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, Text, any_, bindparam, func, select, text, update
+from sqlalchemy import ColumnElement, Row, Text, any_, bindparam, func, select, text, update
 from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
@@ -330,9 +330,9 @@ def active_threshold(session: Session) -> ActiveThreshold:
     return ActiveThreshold(float(row.tau), int(row.version))
 
 
-def deactivate_versions(session: Session, why: str = "") -> None:
+def deactivate_versions(session: Session, why: str | ColumnElement[str] = "") -> None:
     """Retire the active version (a new one is about to take its place); ``why`` is added to its reason."""
-    reason = CalibrationThreshold.reason + why if why else CalibrationThreshold.reason
+    reason = CalibrationThreshold.reason + why
     active = CalibrationThreshold.active.is_(True)
     session.execute(update(CalibrationThreshold).where(active).values(active=False, reason=reason))
 

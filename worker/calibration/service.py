@@ -17,10 +17,10 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from sqlalchemy import func
 from sqlalchemy.exc import SQLAlchemyError
 
 from models import CalibrationThreshold
@@ -252,6 +252,14 @@ def _succession(
     return f"{retired} and is retired" + describe_succession(False, FALLBACK), FALLBACK
 
 
+# Dated by the database's clock, as versions are (an operator's laptop's may be off).
+RETIRED_BY_HAND = func.concat(
+    "; retired by hand at ",
+    func.to_char(func.timezone("UTC", func.statement_timestamp()), "YYYY-MM-DD HH24:MI:SS"),
+    " UTC",
+)
+
+
 def retire_active(store: CalibrationStore) -> ActiveThreshold:
     """Retire the active version, if any (serialized with recomputes): the gates take the fallback τ
     until a recompute earns a new version (one with nothing new is "unchanged" and activates nothing;
@@ -260,7 +268,7 @@ def retire_active(store: CalibrationStore) -> ActiveThreshold:
     with store.recomputing() as versions:
         current = versions.active()
         if current.version is not None:
-            versions.retire_active(f"; retired by hand at {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC")
+            versions.retire_active(RETIRED_BY_HAND)
             logger.warning("calibration version %s (τ=%s) retired by hand", current.version, current.tau)
     return current
 

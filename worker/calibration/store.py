@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
-from sqlalchemy import func
+from sqlalchemy import ColumnElement, func
 from sqlalchemy.orm import Session, sessionmaker
 
 from models import CalibrationThreshold
@@ -62,7 +62,7 @@ class VersionWriter:
             return False
         return row.n > queries.observations_extent(self._session, row.max_observation_id)[1]
 
-    def retire_active(self, why: str = "") -> None:
+    def retire_active(self, why: str | ColumnElement[str] = "") -> None:
         """No version is active after this (gates take the shipped fallback τ); ``why`` joins its reason."""
         queries.deactivate_versions(self._session, why)
 

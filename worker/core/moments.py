@@ -23,7 +23,7 @@ STORED_IN_ITS_SECOND_HINT = (
 
 
 def within_a_second(earlier: datetime, later: datetime) -> bool:
-    return later - earlier < timedelta(seconds=1)
+    return timedelta(0) <= later - earlier < timedelta(seconds=1)
 
 
 __all__ = ["SAME_SECOND_HINT", "STORED_IN_ITS_SECOND_HINT", "as_utc", "within_a_second"]

@@ -170,9 +170,9 @@ class BackfillSegmentStore(ExtractionStore):
         place = SegmentPlace(job_id, source_id, slug, -1, NO_SEGMENT)
         with self._factory.begin() as session:
             _mark(session, request_id, "discarded")
-            self._ledger.record_many(
-                session, call_records(place, attempts, "discarded: the page moved on"), erased=True
-            )
+            # No note: with ``erased`` every error is replaced, and a note made an answered call read as
+            # one whose provider's message "went with the erasure" (the request's mark says discarded).
+            self._ledger.record_many(session, call_records(place, attempts), erased=True)
 
 
 class BackfillStore:

@@ -369,6 +369,8 @@ class SegmentCommitter:
                 self.keep_after_failure(plan.slug, batch, handed)
                 raise
             if failed is not None:
+                # Answered, held for a swap that will not come (the outage clock's "went forward": None).
+                failed.held = failed.segments + failed.skipped
                 failed.skipped = 0  # its held skips go in only with a swap: none (no `--skipped` to offer)
                 return failed
         segment_facts, skips, skipped = held.segment_facts, held.skips, held.skipped

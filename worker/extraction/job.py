@@ -149,7 +149,7 @@ def extract_page(ctx: JobContext) -> WorkResult:
             # runs on, neither restarted (every run paid for them again) nor an attempt spent (it was).)
             progressed=True
             if counters.segments_processed + counters.segments_skipped > 0
-            else (None if any(p.segments for p in failed) else False),
+            else (None if any(p.held for p in failed) else False),
         )
     if settings.consolidate_after_extraction and not embedding_follows(rt, counters):
         # Lifecycle: one consolidation job per entity of the page's unconsolidated facts and of its

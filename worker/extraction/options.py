@@ -83,6 +83,9 @@ class PageReport:
     # The failed segment's provider was away (retryable errors past the retry layer's wait): not the
     # page's fault, so the job waits the outage out (worker.jobs.outages), spending no attempt.
     provider_away: bool = False
+    # Segments of a page re-extracted whole that were answered (ok or skipped) and held for its swap,
+    # which did not come: answered this run, kept by none (worker.extraction.job: the outage clock).
+    held: int = 0
 
 
 @dataclass

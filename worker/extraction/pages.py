@@ -182,16 +182,18 @@ class StaleDeliveryError(ValueError):
     ) -> None:
         stored = stored_at.isoformat() if stored_at is not None else "a later time"
         newer = f"the page's erasure ({stored})" if erased else f"the stored one ({stored})"
+        in_its_second = stored_at is not None and within_a_second(delivered_at, stored_at)
+        older = "not known to be newer than" if in_its_second and not erased else "older than"
         super().__init__(
             f"page {slug!r} in source {source_id!r}: this delivery (signed at {delivered_at.isoformat()}) is "
-            f"older than {newer}; send the newest content with a fresh signature"
+            f"{older} {newer}; send the newest content with a fresh signature"
         )
         self.source_id, self.slug, self.stored_at, self.erased = source_id, slug, stored_at, erased
         # Erased, or stored by another delivery, in the second it was signed in: a signature is dated to
         # the second, so which came first is not known (moments.SAME_SECOND_HINT and
         # STORED_IN_ITS_SECOND_HINT, for a signed delivery: sign it again a second later). Taken as newer,
         # a signed delivery's retry, or one that waited on the row, replaced content stored after it.
-        self.in_its_second = stored_at is not None and within_a_second(delivered_at, stored_at)
+        self.in_its_second = in_its_second
 
 
 # Built once (Core, on the table): a webhook runs them for every page, and building an ORM statement
