@@ -413,6 +413,13 @@ def test_a_signed_delivery_in_the_second_another_was_stored_in_is_told_to_sign_a
     older = page_body("order/second", body=CONVERSATION + "\nolder")
     stale = api.post("/v1/pages", content=older, headers=signed(older, timestamp=second - 5))
     assert stale.status_code == 409 and "Retry-After" not in stale.headers  # plainly older: no hint
+    # A keyed delivery is dated to the microsecond: within the second of the stored one it is known older.
+    with factory.begin() as session:
+        session.execute(update(Page).values(delivered_at=func.now() + timedelta(milliseconds=500)))
+    again = page_body("order/second", body=CONVERSATION + "\nkeyed again")
+    known = api.post("/v1/pages", content=again, headers=headers)
+    assert known.status_code == 409 and "Retry-After" not in known.headers, known.text
+    assert "is older than the stored one" in known.json()["detail"], known.text
     with factory() as session:
         assert session.scalars(select(Page.compiled_truth)).one().endswith("signed in that second")
 

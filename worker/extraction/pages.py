@@ -180,20 +180,30 @@ class StaleDeliveryError(ValueError):
         *,
         erased: bool = False,
     ) -> None:
-        stored = stored_at.isoformat() if stored_at is not None else "a later time"
-        newer = f"the page's erasure ({stored})" if erased else f"the stored one ({stored})"
-        in_its_second = stored_at is not None and within_a_second(delivered_at, stored_at)
-        older = "not known to be newer than" if in_its_second and not erased else "older than"
-        super().__init__(
-            f"page {slug!r} in source {source_id!r}: this delivery (signed at {delivered_at.isoformat()}) is "
-            f"{older} {newer}; send the newest content with a fresh signature"
-        )
+        super().__init__(source_id, slug, delivered_at, stored_at, erased)
         self.source_id, self.slug, self.stored_at, self.erased = source_id, slug, stored_at, erased
+        self.delivered_at = delivered_at
         # Erased, or stored by another delivery, in the second it was signed in: a signature is dated to
         # the second, so which came first is not known (moments.SAME_SECOND_HINT and
         # STORED_IN_ITS_SECOND_HINT, for a signed delivery: sign it again a second later). Taken as newer,
         # a signed delivery's retry, or one that waited on the row, replaced content stored after it.
-        self.in_its_second = in_its_second
+        self.in_its_second = stored_at is not None and within_a_second(delivered_at, stored_at)
+
+    def described(self, *, signed: bool = False) -> str:
+        """What to tell the sender. A ``signed`` delivery dated to the second of the stored one's is not
+        known to be older (a keyed one is dated to the microsecond: it is)."""
+        stored = self.stored_at.isoformat() if self.stored_at is not None else "a later time"
+        newer = f"the page's erasure ({stored})" if self.erased else f"the stored one ({stored})"
+        unknown = signed and self.in_its_second and not self.erased
+        than = "not known to be newer than" if unknown else "older than"
+        return (
+            f"page {self.slug!r} in source {self.source_id!r}: this delivery (signed at "
+            f"{self.delivered_at.isoformat()}) is {than} {newer}; send the newest content with a fresh "
+            "signature"
+        )
+
+    def __str__(self) -> str:
+        return self.described()
 
 
 # Built once (Core, on the table): a webhook runs them for every page, and building an ORM statement

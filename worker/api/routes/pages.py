@@ -213,7 +213,8 @@ def accept_pages(ctx: ApiContext, body: bytes, ingest: Ingest, key: str | None) 
         hint, retry = ingest.erased_in_its_second(
             exc.in_its_second, SAME_SECOND_HINT if exc.erased else STORED_IN_ITS_SECOND_HINT
         )
-        raise ApiError(409, str(exc) + hint, headers=retry, source_id=exc.source_id, slug=exc.slug) from None
+        detail = exc.described(signed=ingest.signature is not None) + hint
+        raise ApiError(409, detail, headers=retry, source_id=exc.source_id, slug=exc.slug) from None
     if replayed:
         # The digest's head, as stored: the sender's key may name a person.
         logger.info("replayed webhook delivery %s", (delivery or "")[:12])
