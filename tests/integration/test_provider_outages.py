@@ -361,13 +361,11 @@ class AnswersThenDown:
         return self.llm.embed(texts, purpose=purpose)
 
 
-def test_a_page_re_extracted_whole_that_the_provider_left_mid_run_waits_on_the_clock(
-    factory, runtime, sim
-) -> None:
-    """An edited page is re-extracted whole and commits at its end: its answered segments, held for the
-    swap, were not counted as going forward, so an outage that began mid-run was taken for the job's
-    own failure and spent an attempt (five outages, five attempts, each paying for the page again)."""
+def edited_after_extraction(factory, runtime, sim, slug: str, **config: str):  # type: ignore[no-untyped-def]
+    """(runtime, job id): ``slug`` extracted, ``config`` set, then its first message edited, so its job
+    re-extracts it whole (one call at a time, one try each, its facts neither embedded nor consolidated)."""
     from tests.integration.test_extraction import SAMPLE_BODY, put_page
+    from worker.config_store import set_config
     from worker.jobs.outbox import page_subject
 
     rt = runtime(
@@ -379,14 +377,26 @@ def test_a_page_re_extracted_whole_that_the_provider_left_mid_run_waits_on_the_c
         embed_after_extraction=False,
         job_provider_outage_patience_seconds=PATIENCE,
     )
-    subject = page_subject("default", "chats/whole")
-    put_page(factory, "chats/whole")
+    subject = page_subject("default", slug)
+    put_page(factory, slug)
     with factory.begin() as session:
         first = request_job(session, EXTRACTION, subject).job_id
     assert run_job(rt, first, EXTRACTION).status == "succeeded"
-    put_page(factory, "chats/whole", body=SAMPLE_BODY.replace("I just signed", "I just signed and sealed"))
     with factory.begin() as session:
-        job_id = request_job(session, EXTRACTION, subject).job_id
+        for key, value in config.items():
+            set_config(session, key, value)
+    put_page(factory, slug, body=SAMPLE_BODY.replace("I just signed", "I just signed and sealed"))
+    with factory.begin() as session:
+        return rt, request_job(session, EXTRACTION, subject).job_id
+
+
+def test_a_page_re_extracted_whole_that_the_provider_left_mid_run_waits_on_the_clock(
+    factory, runtime, sim
+) -> None:
+    """An edited page is re-extracted whole and commits at its end: its answered segments, held for the
+    swap, were not counted as going forward, so an outage that began mid-run was taken for the job's
+    own failure and spent an attempt (five outages, five attempts, each paying for the page again)."""
+    rt, job_id = edited_after_extraction(factory, runtime, sim, "chats/whole")
     real = rt.llm
     rt._llm = AnswersThenDown(real, answers=1)  # the first segment answered, the second not
     assert run_job(rt, job_id, EXTRACTION).status == "retry"
@@ -406,29 +416,8 @@ def test_a_page_re_extracted_whole_whose_answered_segment_was_skipped_waits_on_t
 ) -> None:
     """Its only answered segment was skipped (a permanent failure, answered all the same): counted as
     nothing answered, an outage that began mid-run spent an attempt on every run."""
-    from tests.integration.test_extraction import SAMPLE_BODY, put_page
-    from worker.config_store import set_config
-    from worker.jobs.outbox import page_subject
-
-    rt = runtime(
-        llm="simulator",
-        simulator_url=sim.base_url,
-        llm_max_attempts=1,
-        llm_concurrency=1,
-        consolidate_after_extraction=False,
-        embed_after_extraction=False,
-        job_provider_outage_patience_seconds=PATIENCE,
-    )
-    subject = page_subject("default", "chats/skipped")
-    put_page(factory, "chats/skipped")
-    with factory.begin() as session:
-        first = request_job(session, EXTRACTION, subject).job_id
-    assert run_job(rt, first, EXTRACTION).status == "succeeded"
-    with factory.begin() as session:
-        set_config(session, "extraction.max_segment_failures", "1")
-    put_page(factory, "chats/skipped", body=SAMPLE_BODY.replace("I just signed", "I just signed and sealed"))
-    with factory.begin() as session:
-        job_id = request_job(session, EXTRACTION, subject).job_id
+    config = {"extraction.max_segment_failures": "1"}
+    rt, job_id = edited_after_extraction(factory, runtime, sim, "chats/skipped", **config)
     # The first segment's reply and its repair are no JSON (skipped at once), the second meets an outage.
     rt._llm = AnswersThenDown(rt.llm, answers=2, garbled=True)
     assert run_job(rt, job_id, EXTRACTION).status == "retry"
