@@ -16,6 +16,7 @@ from models.tables import JOBS, LLM_CALLS
 from worker.accounting.budget import SEARCH_PURPOSES, SEARCH_SCOPE, WORK_SCOPE
 from worker.accounting.prices import PRICES, PRICES_KEY, Price, cost_usd, parse_prices, price_of
 from worker.core.erasure import is_erased_name
+from worker.core.errors import loggable
 from worker.core.jsonvalues import made_storable
 from worker.llm.retry import AttemptRecord
 from worker.llm.types import Usage
@@ -78,10 +79,19 @@ class LLMCallRecord:
 
     @classmethod
     def failed(
-        cls, purpose: str, llm: object, exc: BaseException, latency_ms: int, job_id: int | None = None
+        cls,
+        purpose: str,
+        llm: object,
+        exc: BaseException,
+        latency_ms: int,
+        job_id: int | None = None,
+        *,
+        words: bool = True,
     ) -> LLMCallRecord:
         """The record of a call through ``llm`` that raised ``exc``: what a reply the provider answered
-        but that could not be used billed (``LLMError.usage``), priced as the model that answered it."""
+        but that could not be used billed (``LLMError.usage``), priced as the model that answered it.
+        ``words`` False: the error's status and code only (``loggable``), for a call no erasure could
+        find (a provider's message may quote its input: facts of many pages, a transcript under no job)."""
         provider, model = getattr(exc, "answered_by", None) or (
             getattr(llm, "provider", "unknown"),
             getattr(llm, "model", "unknown"),
@@ -90,15 +100,27 @@ class LLMCallRecord:
         usage = getattr(exc, "usage", None)
         # Uncut: a provider's words are already kept to MAX_PROVIDER_MESSAGE_CHARS (worker.llm.errors), as
         # extraction's rows keep them; cut again to 500 here, three purposes' rows kept half of it.
-        return cls(purpose, provider, model, usage, latency_ms, outcome, job_id, str(exc))
+        return cls(
+            purpose, provider, model, usage, latency_ms, outcome, job_id, str(exc) if words else loggable(exc)
+        )
 
     @classmethod
     def failed_tries(
-        cls, purpose: str, llm: object, tries: Iterable[AttemptRecord], job_id: int | None = None
+        cls,
+        purpose: str,
+        llm: object,
+        tries: Iterable[AttemptRecord],
+        job_id: int | None = None,
+        *,
+        words: bool = True,
     ) -> list[LLMCallRecord]:
         """The records of the retry layer's failed tries of one call: each cost a request and is a
-        call of its own."""
-        return [cls.failed(purpose, llm, t.error, t.latency_ms, job_id) for t in tries if t.error is not None]
+        call of its own (``words``: as ``failed``)."""
+        return [
+            cls.failed(purpose, llm, t.error, t.latency_ms, job_id, words=words)
+            for t in tries
+            if t.error is not None
+        ]
 
 
 def kept_error(call: LLMCallRecord) -> str | None:

@@ -379,7 +379,10 @@ def retire_command(
     retired = retire_active_version(checked_factory())
     if as_json:
         _print_json(
-            {"retired_version": retired.version, "retired_tau": retired.tau if retired.version else None}
+            {
+                "retired_version": retired.version,
+                "retired_tau": retired.tau if retired.version is not None else None,
+            }
         )
         return
     if retired.version is None:

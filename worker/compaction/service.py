@@ -12,7 +12,6 @@ summary (no ``## Goal`` heading) is asked for once more; a second ends the run, 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +38,6 @@ from worker.core.compaction_gate import (
     retry_terms,
     summary_of,
 )
-from worker.core.errors import loggable
 from worker.core.quality import lex_words
 from worker.core.timeline import CompactionPlan
 from worker.jobs.lifecycle import paused_reason
@@ -247,16 +245,16 @@ class CompactionRun:
 
     def _record_tries(self, tries: Sequence[AttemptRecord]) -> None:
         """The gateway's failed tries of a call that a stop ended between them, each an llm_calls row."""
-        for tried in tries:
-            if tried.error is not None:
-                self.store.record_llm_call(self._failed_call(tried.error, tried.latency_ms))
+        for failed in LLMCallRecord.failed_tries(
+            LLM_PURPOSE, self.llm, tries, self.job_id, words=self._words
+        ):
+            self.store.record_llm_call(failed)
 
-    def _failed_call(self, exc: BaseException, latency_ms: int) -> LLMCallRecord:
-        """A failed call's row. Under no job (`compact --now`) it keeps the error's status and code, not
-        the provider's words: a message may quote the transcript, and an erasure finds a call by its job
-        or by the attempt log that names it (an outage is raised before any log is written)."""
-        record = LLMCallRecord.failed(LLM_PURPOSE, self.llm, exc, latency_ms, self.job_id)
-        return record if self.job_id is not None else dataclasses.replace(record, error=loggable(exc))
+    @property
+    def _words(self) -> bool:
+        """Whether a failed call's row keeps the provider's words: not under no job (`compact --now`), where
+        an erasure finds it by no job, nor by an attempt log (an outage is raised before any is written)."""
+        return self.job_id is not None
 
     def _attempt(
         self, attempt: int, below: _Below | None, *, last: bool
@@ -284,7 +282,10 @@ class CompactionRun:
             return self._unless_below(exc, str(exc), {**entry, "outcome": exc.outcome}, below)
         except LLMError as exc:
             self._record_tries(getattr(exc, "attempts", ())[:-1])  # the gateway's tries before the last
-            call_id = self.store.record_llm_call(self._failed_call(exc, exc.latency_ms))
+            failed = LLMCallRecord.failed(
+                LLM_PURPOSE, self.llm, exc, exc.latency_ms, self.job_id, words=self._words
+            )
+            call_id = self.store.record_llm_call(failed)
             logged = {**entry, "outcome": "provider_error", "llm_call_id": call_id, "error": str(exc)}
             if provider_cannot_serve(exc) or exc.deployment_fault:
                 # An outage (429/5xx past the retry layer), the account's money spent, or the provider

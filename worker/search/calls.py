@@ -4,7 +4,6 @@ it; a failed record is logged, never raised (accounting never takes a search dow
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -39,10 +38,7 @@ def failed_call(purpose: str, llm: LLMClient, exc: BaseException, latency_ms: in
     """The record of a failed call. A fact embedding's keeps the error's status and code, not the
     provider's words: a gateway's 400 may quote its input (fact text, of any pages), and the call is
     under no job an erasure of those pages could find it by."""
-    call = LLMCallRecord.failed(purpose, llm, exc, latency_ms)
-    if purpose == FACT_EMBEDDING_PURPOSE:
-        return dataclasses.replace(call, error=loggable(exc))
-    return call
+    return LLMCallRecord.failed(purpose, llm, exc, latency_ms, words=purpose != FACT_EMBEDDING_PURPOSE)
 
 
 def record_failure(store: SearchStore, purpose: str, llm: LLMClient, exc: Exception, started: float) -> None:
