@@ -581,6 +581,44 @@ def test_a_run_stopped_while_its_batch_runs_cancels_it_and_owes_its_delete(store
     assert delete_owed(ProviderCopies(store), client, retry_after=timedelta(0)).deleted == 1
 
 
+def test_a_run_stopped_in_its_send_owes_and_cancels_the_batch_the_provider_took(
+    store, clean_sim, monkeypatch
+):
+    """Ctrl-C or SIGTERM in a batch's send (an upload and create of minutes for 95 MB), or a create whose
+    answer was lost: a batch the provider took ran on, billed whole, its files (the pages' text) there
+    for good, and no row knew it. It is looked up by its key now, owed and cancelled."""
+    clean_sim.configure(batch_delay_seconds=30.0)
+    client = openai_batch(clean_sim)
+    send = OpenAIBatchClient.submit
+
+    def taken_then_stopped(self: OpenAIBatchClient, requests: Any, key: str | None = None) -> str:
+        send(self, requests, key)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(OpenAIBatchClient, "submit", taken_then_stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run_batch_extraction(store, client, ExtractOptions(source_id="batch"), poll_seconds=0.01)
+    ((who, batch_id, _, error),) = owed(store)
+    assert who == "simulator" and "stopped before collecting it (KeyboardInterrupt)" in (error or "")
+    assert client.status(batch_id).status in ("cancelling", "cancelled")  # not left to run, billed
+
+
+def test_a_run_stopped_between_its_upload_and_its_create_deletes_the_upload(store, clean_sim, monkeypatch):
+    """Stopped after the upload (the pages' text) and before the create, the upload stayed at the
+    provider, named nowhere: with no batch under the send's key, it is deleted."""
+    held = held_files(clean_sim)
+
+    def stopped(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(openai.resources.batches.Batches, "create", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run_batch_extraction(
+            store, openai_batch(clean_sim), ExtractOptions(source_id="batch"), poll_seconds=0.01
+        )
+    assert owed(store) == [] and held_files(clean_sim) == held
+
+
 def test_a_batch_not_ended_is_deleted_once_it_has(store, clean_sim):
     """A run that gives up on a batch (it never ended) leaves it running at the provider with the
     pages' text; its delete is owed, and the sweep waits for it to end (deleting an OpenAI batch's

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -31,6 +32,7 @@ from worker.config_store import ConfigReader
 from worker.core.conversation import Segment, render_segment_for_extraction, segment_bytes
 from worker.core.errors import error_summary
 from worker.db import database_unavailable
+from worker.extraction.batch_abandoned import abandon_send, cancel_abandoned, owe_abandoned
 from worker.extraction.committer import SegmentResults, one_at_a_time
 from worker.extraction.options import (
     CheckpointConflictError,
@@ -84,9 +86,10 @@ class BatchExtractionCounters(ExtractionCounters):
     provider_copy_deleted: bool = False  # the batch's files (page text) deleted at the provider
 
 
-def custom_id(plan: PagePlan, index: int) -> str:
-    """``p<page id>-s<segment index>-m<end message index>`` (Anthropic allows only [A-Za-z0-9_-])."""
-    return f"p{plan.page_id}-s{index}-m{plan.ends[index]}"
+def custom_id(key: str, plan: PagePlan, index: int) -> str:
+    """``<batch key>-p<page id>-s<segment index>-m<end message index>`` (Anthropic allows only
+    [A-Za-z0-9_-]; the key first, as a batch is found by it: BatchLLMClient.find)."""
+    return f"{key}-p{plan.page_id}-s{index}-m{plan.ends[index]}"
 
 
 def segment_request(label: str, segment: Segment, max_facts: int, cap: int) -> ChatRequest:
@@ -166,6 +169,7 @@ class BatchExtraction:
         self.max_bytes, self.max_requests = max_bytes, max_requests
         self.max_held = MAX_HELD_PAGE_BYTES if max_held is None else max_held
         self.sendable: dict[str, int] = {}  # per planned page: how many of its segments the batch holds
+        self.key = f"fx{secrets.token_hex(6)}"  # what the batch is sent, and looked up, under
 
     def finish(self, report: PageReport) -> None:
         if report.status != "incomplete":
@@ -218,7 +222,7 @@ class BatchExtraction:
         cap = self.run.options.max_output_tokens
         for plan in plans:
             for index, segment in enumerate(plan.segments[: self.sendable.get(plan.slug)]):
-                requests[custom_id(plan, index)] = segment_request(
+                requests[custom_id(self.key, plan, index)] = segment_request(
                     plan.label, segment, self.run.max_facts, cap
                 )
         return requests
@@ -289,7 +293,7 @@ class BatchExtraction:
 
         def results() -> SegmentResults:
             for index, segment in enumerate(plan.segments):
-                item = items.get(custom_id(plan, index))
+                item = items.get(custom_id(self.key, plan, index))
                 if item is None:
                     return  # never ran: the page stops here, the next run extracts the rest
                 result = self.result_of(item, client)
@@ -318,7 +322,7 @@ class BatchExtraction:
     ) -> None:
         """Results after a page's stopping point cost money too: record them, facts unused."""
         for index, segment in enumerate(plan.segments):
-            item = items.get(custom_id(plan, index))
+            item = items.get(custom_id(self.key, plan, index))
             if index not in consumed and item is not None:
                 result = self.result_of(item, client)
                 self.run.committer.record_discarded(plan.slug, index, segment, result, DISCARDED_NOTE)
@@ -339,7 +343,12 @@ class BatchExtraction:
         self.run.check_switch()  # switched off while the pages were planned (minutes): nothing goes out
         if self.run.guard is not None:
             self.run.guard()
-        self.batch.batch_id = client.submit(list(requests.items()))
+        started = datetime.now(UTC)
+        try:
+            self.batch.batch_id = client.submit(list(requests.items()), key=self.key)
+        except BaseException as exc:  # Ctrl-C or SIGTERM in an upload of minutes, or no answer
+            abandon_send(self.run.committer.store, client, self.key, started, exc)
+            raise
         self.batch.segments_submitted = len(requests)
         logger.info(
             "submitted batch %s to %s (%s): %d segment(s) from %d page(s)",
@@ -412,36 +421,11 @@ def batch_extraction(
             status = batch.wait(client, counters.batch_id, poll_seconds, timeout_seconds, sleep)
             batch.collect(sent, status)
         except BaseException as exc:  # Ctrl-C in a wait of hours, a cancel or a download that failed
-            _owe_abandoned(store, client.provider, counters.batch_id, exc)  # first: a stop in the cancel
+            owe_abandoned(store, client.provider, counters.batch_id, exc)  # first: a stop in the cancel
             if status is None or not status.ended:
-                _cancel_abandoned(client, counters.batch_id)
+                cancel_abandoned(client, counters.batch_id)
             raise
     return counters
-
-
-def _cancel_abandoned(client: BatchLLMClient, batch_id: str) -> None:
-    """A batch the run stops waiting for (Ctrl-C, SIGTERM, polls that failed for good) is cancelled:
-    left running, it was billed whole and its results deleted unread, and the next run paid again."""
-    try:
-        client.cancel(batch_id)
-    except Exception as exc:  # (or it ended meanwhile); a second Ctrl-C stops the cancel, its delete owed
-        logger.error("batch %s could not be cancelled (%s); it may run on at the provider", batch_id, exc)
-    else:
-        logger.warning("batch %s: the run stopped waiting for it; cancelled", batch_id)
-
-
-def _owe_abandoned(store: ExtractionStore, provider: str, batch_id: str, exc: BaseException) -> None:
-    """A run that stops between its batch's create and its collection leaves the batch, and its files
-    (the pages' text), at the provider, and nothing else knew its id: owe their delete (beat's poll
-    deletes them once it has ended). The run's own error is what the caller sees."""
-    try:
-        store.provider_copies.owe(
-            provider, batch_id, f"the run stopped before collecting it ({type(exc).__name__})"
-        )
-    except Exception as owed:
-        logger.error("batch %s is left at the provider and could not be recorded (%s)", batch_id, owed)
-    else:
-        logger.warning("batch %s: the run stopped before collecting it; its delete is owed", batch_id)
 
 
 def run_batch_extraction(
