@@ -43,7 +43,12 @@ from worker.api.app import create_app
 from worker.api.routes.backfills import BackfillStatus
 from worker.config_store import ConfigReader, set_config
 from worker.core.conversation import parse_conversation_messages, segment_bytes, split_into_segments
-from worker.extraction import TERMINAL_AUDIT_SOURCE, ExtractOptions, run_extract_conversation_facts
+from worker.extraction import (
+    TERMINAL_AUDIT_SOURCE,
+    ExtractOptions,
+    backfill_limits,
+    run_extract_conversation_facts,
+)
 from worker.extraction.backfill import BackfillPass
 from worker.extraction.backfill_admin import backfill_report, cancel_backfill, poll_backfills, resume_waiting
 from worker.extraction.backfill_request import (
@@ -283,7 +288,7 @@ def test_a_backfill_planned_after_anothers_cancel_was_asked_takes_the_pages_it_n
     then left them to it, the cancel never sent them, and both ended with those pages unextracted."""
     seed_pages(factory, "bf", 2)
     with monkeypatch.context() as patched:
-        patched.setattr(BackfillPass, "within_budget", lambda self, batch, estimate: False)
+        patched.setattr(backfill_limits, "within_budget", lambda run, batch, estimate: False)
         first, first_job = start(factory, "bf")
         run_pass(rt, first_job)  # planned, nothing sent
     assert request_statuses(factory, first) == {"pending": 8} and sim.stats()["batches"]["created"] == 0
@@ -742,17 +747,28 @@ def test_a_page_edited_before_its_batch_is_sent_sends_only_the_segments_before_t
 
 
 @pytest.mark.parametrize("budget", ["llm.budget_daily_usd", "llm.budget_job_usd"])
-def test_batches_in_flight_count_against_the_budget_until_collected(factory, rt, sim, budget):
+def test_batches_in_flight_count_against_the_budget_until_collected(factory, rt, sim, budget, monkeypatch):
     """A batch's spend is recorded when it is collected, hours after it was sent: a pass that sent
     three batches checked $0 spent three times and overspent by all of them. Now the batches in
-    flight count by their estimates: the next batch waits for them (one may go alone)."""
+    flight count by their estimates: the next batch waits for them (one may go alone), and is not
+    rebuilt to find that out (its pages were read and parsed again on every poll while it waited)."""
     seed_pages(factory, "bf", 6)  # three batches of eight requests
     with factory.begin() as session:
         set_config(session, budget, "0.01")  # less than any batch here
     sim.configure(batch_delay_seconds=3600)
+    built: list[int] = []
+    rebuild = BackfillPass.requests_to_send
+
+    def counted(self: BackfillPass, batch: Any) -> Any:
+        built.append(batch.id)
+        return rebuild(self, batch)
+
+    monkeypatch.setattr(BackfillPass, "requests_to_send", counted)
     backfill_id, job_id = start(factory, "bf")
     assert run_pass(rt, job_id).status == "paused"
     assert sim.stats()["batches"]["created"] == 1  # three before
+    assert run_pass(rt, job_id).status == "paused"
+    assert len(built) == 1, built  # the batch sent; not the one waiting behind it, pass after pass
     with factory() as session:
         estimates = session.scalars(
             select(BackfillBatch.estimated_cost_usd).where(BackfillBatch.backfill_id == backfill_id)
@@ -1479,15 +1495,48 @@ def test_an_anthropic_batch_deleted_before_its_pass_died_is_finished_without_it(
     with factory.begin() as session:
         batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
         done = session.scalars(select(BackfillRequest).where(BackfillRequest.batch_id == batch.id)).all()
-        done[0].status = "done"  # one page committed before the pass died; the other never was
+        for request in done:  # every page committed before the pass died
+            request.status = "done"
         provider_batch_id = batch.provider_batch_id
     assert provider_batch_id is not None
     chat = AnthropicChatClient(model="simulator-1", base_url=sim.url, provider="simulator")
     AnthropicBatchClient(chat).discard(provider_batch_id)
     assert drive(anthropic_rt, job_id).status == "succeeded"
     report = backfill_report(factory, backfill_id)
-    assert report["status"] == "done" and report["requests"]["done"] == 1, report
-    assert sum(n for status, n in report["requests"].items() if status not in ("done", "total")) >= 1
+    assert report["status"] == "done" and report["requests"]["done"] == 8, report
+
+
+def test_a_batch_the_provider_does_not_know_with_requests_pending_waits_until_cancelled(
+    factory, anthropic_rt, sim
+):
+    """A 404 for a batch whose results were never read (a key of another project or workspace of the
+    same provider cannot see it) collected it as gone: its requests counted expired, the backfill
+    "done", while the batch ran on, billed, its results and the pages' text left there. It waits now,
+    saying why, until the key that sent it is back or the backfill is cancelled."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(anthropic_rt, job_id).status == "paused"
+    with factory.begin() as session:
+        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
+        batch.provider_batch_id = "msgbatch_of_another_workspace"
+    for _ in range(2):
+        assert run_pass(anthropic_rt, job_id).status == "paused"
+        assert job_row(factory, job_id).pause_reason == "batch"
+        report = backfill_report(factory, backfill_id)
+        assert report["status"] == "running" and request_statuses(factory, backfill_id) == {"pending": 8}
+    with factory() as session:
+        said = session.scalar(
+            select(BackfillBatch.provider_status).where(BackfillBatch.provider_batch_id.isnot(None))
+        )
+    assert said is not None and said.startswith("not found at anthropic: configure the key that sent it"), (
+        said
+    )
+    with factory.begin() as session:
+        cancel_backfill(session, backfill_id)
+    assert drive(anthropic_rt, job_id).status == "succeeded"
+    assert backfill_report(factory, backfill_id)["status"] == "cancelled"
+    assert request_statuses(factory, backfill_id) == {"cancelled": 8}
 
 
 def test_an_anthropic_batch_cancelled_counts_its_unrun_requests_cancelled(factory, anthropic_rt, sim):
@@ -1966,6 +2015,36 @@ def test_a_batch_over_the_queued_token_limit_by_itself_is_collected_as_failed_af
     assert "over the provider's queued-token limit by itself" in caplog.text
 
 
+def test_a_worker_killed_before_a_limited_batchs_delete_leaves_that_copy_owed(factory, rt, sim, monkeypatch):
+    """A batch failed over the queued-token limit is planned again (its provider id cleared), then its
+    copy deleted: a worker killed in between left that copy's files (the pages' text) at the provider,
+    named nowhere (the resend's upload cleanup looks for the next copy's name). It is owed first now,
+    and beat's poll deletes it."""
+    seed_pages(factory, "bf", 1)  # one batch
+    sim.configure(batch_fail="token_limit_exceeded")
+    _, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"
+    with factory() as session:
+        failed_copy = session.scalar(select(BackfillBatch.provider_batch_id))
+    assert failed_copy is not None
+    time.sleep(0.2)  # it ends, failed
+
+    def killed(*args: Any) -> bool:
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(backfill_limits, "discard_batch", killed)
+    with pytest.raises(SystemExit):
+        run_pass(rt, job_id)
+    monkeypatch.undo()
+    with factory() as session:
+        assert session.scalar(select(BackfillBatch.provider_batch_id)) is None  # planned again
+        owed = session.scalars(select(ProviderCopy.batch_id)).all()
+    assert owed == [failed_copy]
+    with factory.begin() as session:
+        session.execute(update(ProviderCopy).values(tried_at=func.now() - RETRY_AFTER))
+    assert sweep_provider_copies(factory, rt.settings).deleted == 1
+
+
 def test_a_resend_whose_create_was_lost_is_not_taken_for_the_copy_that_failed_over_the_limit(
     factory, rt, sim, monkeypatch
 ):
@@ -2017,18 +2096,18 @@ def test_a_batch_resent_after_the_queued_token_limit_goes_alone(factory, rt, sim
     """Once resent, a limited batch lost its mark, and a batch that had waited for budget went out beside
     it: over the limit again, the first was given up as 'over the limit by itself' though it fit alone."""
     seed_pages(factory, "bf", 4)  # two batches
-    real_within = BackfillPass.within_budget
+    real_within = backfill_limits.within_budget
     backfill_id, job_id = start(factory, "bf")
     sim.configure(batch_fail="token_limit_exceeded")
 
-    def first_only(self: BackfillPass, batch: Any, estimate: Any) -> bool:
+    def first_only(run: BackfillPass, batch: Any, estimate: Any) -> bool:
         return bool(batch.id == min_id(factory, backfill_id))
 
-    monkeypatch.setattr(BackfillPass, "within_budget", first_only)
+    monkeypatch.setattr(backfill_limits, "within_budget", first_only)
     assert run_pass(rt, job_id).status == "paused"  # the first sent; the second waits (budget)
     time.sleep(0.2)
     assert run_pass(rt, job_id).status == "paused"  # the first failed over the limit: planned again
-    monkeypatch.setattr(BackfillPass, "within_budget", real_within)
+    monkeypatch.setattr(backfill_limits, "within_budget", real_within)
     sim.configure(batch_fail=None, batch_delay_seconds=3600)
     resend_due(factory)
     assert run_pass(rt, job_id).status == "paused"

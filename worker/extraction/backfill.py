@@ -187,6 +187,10 @@ class BackfillPass:
             # No batch holds it: what an earlier send uploaded (its create failed, or timed out) is the
             # pages' text, named nowhere; it goes before the batch is sent again.
             forget_uploads(self.deps.client, batch.key)
+        # Before the requests are rebuilt (the batch's pages read and parsed again, each poll it waits).
+        self.deps.budget.check(self.deps.job_id)  # spent already: the job pauses for budget
+        if not limits.within_budget(self, batch, Decimal(0)):
+            return False
         requests = self.requests_to_send(batch)
         if not requests:
             # (Unless another run sent it meanwhile: then it is polled as sent.)
@@ -194,9 +198,8 @@ class BackfillPass:
                 batch.id, unsent_only=True, status="collected", provider_status="nothing to send"
             )
             return True
-        self.deps.budget.check(self.deps.job_id)  # spent already: the job pauses for budget
         estimate = estimated_batch_cost(client.model, requests.values(), self.deps.ledger.prices())
-        if not self.within_budget(batch, estimate):
+        if not limits.within_budget(self, batch, estimate):
             return False
         self.run.check_switch()  # switched off during a pass: the job pauses and this batch waits, unsent
         self.deps.guard()
@@ -250,24 +253,6 @@ class BackfillPass:
         except LLMError as exc:
             logger.warning("cancelling the second copy %s failed (%s)", provider_id, exc)
 
-    def within_budget(self, batch: BatchRow, estimate: Decimal) -> bool:
-        """Whether ``batch`` (at most ``estimate``) may go now. A batch's spend is known only once it is
-        collected, hours later (a pass that sent ten checked $0 spent ten times), so what is left of the
-        day's and this job's budgets must also cover the batches in flight (their estimates): else it
-        waits for them (False). With none in flight it goes (it may overshoot, as calls in flight may)."""
-        day_left, job_left = self.deps.budget.room(self.deps.job_id)
-        # Not this batch's own estimate: one found "submitting" that the provider never got is sent again.
-        in_flight = self.store.in_flight_estimate(but=batch.id)
-        mine = self.store.in_flight_estimate(self.backfill.id, but=batch.id)
-        for scope, left, flying in (("day", day_left, in_flight), ("job", job_left, mine)):
-            if left is not None and flying + estimate > left and flying > 0:
-                logger.info(
-                    "backfill %s: batch %s (up to $%.4f) waits for the batches in flight: the %s budget's "
-                    "$%.4f left may not cover them all", self.backfill.id, batch.key, estimate, scope, left,
-                )  # fmt: skip
-                return False
-        return True
-
     def cancel(self, batch: BatchRow) -> bool:
         """Cancel one batch: unsent ones never go; sent ones are cancelled at the provider, then collected
         as usual (what they finished was paid for). False: it is asked again next pass (refused, its
@@ -320,17 +305,14 @@ class BackfillPass:
             self.collect(batch, status.said())  # a batch failed as a whole keeps why (`backfill show`)
 
     def status_of(self, batch: BatchRow) -> BatchStatus | None:
-        """A sent batch's status at the provider; None when it holds the batch no more (collected as gone)
+        """A sent batch's status at the provider; None when it holds the batch no more (``not_found``)
         or a passing fault hid it (asked again next pass: one batch's 429 ended the whole pass)."""
         assert batch.provider_batch_id is not None
         try:
             return self.deps.client.status(batch.provider_batch_id)
         except LLMError as exc:
             if exc.status == 404:
-                # The provider holds it no more: Anthropic deletes a batch itself on discard, so a pass
-                # that died between the delete and marking it collected got a 404 on every pass after
-                # (the job failed, the backfill stayed running for good). What it still owed is missing.
-                self.collect(batch, GONE, fetch=False)
+                self.not_found(batch)
                 return None
             if not exc.retryable:
                 raise
@@ -467,18 +449,33 @@ class BackfillPass:
                 return exc, batch.id
         return None, None
 
+    def not_found(self, batch: BatchRow) -> None:
+        """The provider answers 404 for a sent batch. With none of its requests pending (Anthropic deletes
+        a batch itself on discard: a pass that died between the delete and marking it collected met a 404
+        on every pass after), or the backfill cancelled, it is collected, what it owed missing. Otherwise
+        it is left: a key of another project or workspace of the same provider cannot see it (collected
+        as gone, the backfill ended "done" while the batch ran on, billed, its results never read)."""
+        if not self.store.pending_requests(batch.id) or self.cancelling():
+            self.collect(batch, GONE, fetch=False)
+        else:
+            self.stuck(batch, f"not found at {batch.provider}: configure the key that sent it, or cancel "
+                       "the backfill (what it still owes is then counted missing)")  # fmt: skip
+
     def held_elsewhere(self, batch: BatchRow) -> bool:
         """Whether ``batch`` went (or began to go) to another provider than the one configured now. It
         is left as it is: asked of this provider, it was "gone" (404), its paid results were counted
         expired, and the other provider kept the pages' text; one whose send began was sent again."""
         if batch.status == "planned" or batch.provider == self.deps.client.provider:
             return False
-        why = f"held at {batch.provider}: configure that provider again to collect it"
+        self.stuck(batch, f"held at {batch.provider}: configure that provider again to collect it")
+        return True
+
+    def stuck(self, batch: BatchRow, why: str) -> None:
+        """``batch`` is left as it is for ``why`` (``backfill show`` says it); the job waits, troubled."""
         logger.warning("backfill %s: batch %s is %s", self.backfill.id, batch.key, why)
         if batch.since_failed_send is None:  # a failed send's marker times its resend: kept
             self.store.set_batch(batch.id, provider_status=why)
         self.troubled = True
-        return True
 
     def cancelling(self) -> bool:
         """Whether the backfill is to stop: read again each time until it is (the backfill was loaded

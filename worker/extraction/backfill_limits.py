@@ -1,4 +1,7 @@
-"""A provider's queued-token limit: a batch it failed for going past it is sent again later, alone, and
+"""What holds a backfill's batch back: the budgets while batches are in flight (``within_budget``), and a
+provider's queued-token limit.
+
+The queued-token limit: a batch it failed for going past it is sent again later, alone, and
 while one waits so, a backfill sends nothing beside another batch in flight.
 
 OpenAI takes a batch's create, then fails the whole batch ("token_limit_exceeded", none of its requests
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import TYPE_CHECKING
 
 from sqlalchemy import exists, func, or_, select, update
@@ -57,6 +61,13 @@ def send_again_later(run: BackfillPass, batch: BatchRow, said: str) -> bool:
         BackfillBatch.provider_batch_id == batch.provider_batch_id,  # not a copy another run sent since
         BackfillBatch.status == "submitted",
     )
+    # Owed first: a worker killed after the batch is planned again (its id gone from it) and before the
+    # delete left the failed copy's files (the pages' text) at the provider, named nowhere. Every way on
+    # settles it: deleted below, collected as failed (the caller), or moved on by another run's collect.
+    copies = ProviderCopies(run.deps.factory)
+    copies.owe(
+        run.deps.client.provider, batch.provider_batch_id, f"failed over the queued-token limit: {said}"
+    )
     with run.deps.factory.begin() as session:
         failures = session.execute(
             update(BackfillBatch)
@@ -81,7 +92,7 @@ def send_again_later(run: BackfillPass, batch: BatchRow, said: str) -> bool:
             run.backfill.id, batch.key, MAX_LIMIT_FAILURES,
         )  # fmt: skip
         return False
-    discard_batch(run.deps.client, batch.provider_batch_id, ProviderCopies(run.deps.factory))
+    discard_batch(run.deps.client, batch.provider_batch_id, copies)
     logger.warning(
         "backfill %s: batch %s failed over the provider's queued-token limit; sent again alone later",
         run.backfill.id, batch.key,
@@ -142,3 +153,22 @@ __all__ = [
     "send_again_later",
     "waits_for_room",
 ]
+
+
+def within_budget(run: BackfillPass, batch: BatchRow, estimate: Decimal) -> bool:
+    """Whether ``batch`` (at most ``estimate``) may go now. A batch's spend is known only once it is
+    collected, hours later (a pass that sent ten checked $0 spent ten times), so what is left of the
+    day's and this job's budgets must also cover the batches in flight (their estimates): else it
+    waits for them (False). With none in flight it goes (it may overshoot, as calls in flight may)."""
+    day_left, job_left = run.deps.budget.room(run.deps.job_id)
+    # Not this batch's own estimate: one found "submitting" that the provider never got is sent again.
+    in_flight = run.store.in_flight_estimate(but=batch.id)
+    mine = run.store.in_flight_estimate(run.backfill.id, but=batch.id)
+    for scope, left, flying in (("day", day_left, in_flight), ("job", job_left, mine)):
+        if left is not None and flying + estimate > left and flying > 0:
+            logger.info(
+                "backfill %s: batch %s waits for the $%.4f in flight: the %s budget has $%.4f left",
+                run.backfill.id, batch.key, flying, scope, left,
+            )  # fmt: skip
+            return False
+    return True
