@@ -284,6 +284,32 @@ def test_a_batch_holds_what_the_providers_take_by_bytes_and_a_rerun_sends_the_re
     assert_complete_like_online(store)
 
 
+def test_a_page_whose_next_segment_alone_is_past_a_batch_fails_and_holds_no_one_back(
+    store, clean_sim, monkeypatch
+):
+    """A first page whose next segment alone was more than a batch takes joined it with no request, and
+    every page after it was skipped as "the batch is full (0 requests, about 0 bytes)", run after run.
+    It fails now, saying to extract it online; the pages after it go."""
+    from worker.extraction import batch as batch_module
+
+    run_online(store, clean_sim)
+    monkeypatch.setattr(batch_module, "request_overhead_bytes", lambda max_facts, cap: 0)
+    real = batch_module.segment_bytes
+
+    def alice_too_big(segment: Any, label: str = "") -> int:
+        return 10**6 if "Alice" in label else real(segment, label)
+
+    monkeypatch.setattr(batch_module, "segment_bytes", alice_too_big)
+    counters = run_batch_extraction(
+        store, openai_batch(clean_sim), ExtractOptions(source_id="batch"), poll_seconds=POLL, max_bytes=10**5
+    )
+    reports = {report.slug: report for report in counters.pages}
+    alice = reports["conversations/alice"]
+    assert alice.status == "failed" and "alone is more than a batch takes (100000 bytes)" in alice.reason
+    assert {reports[s].status for s in ("conversations/carol", "conversations/dave")} == {"processed"}
+    assert counters.segments_submitted > 0
+
+
 def test_a_batch_holds_as_many_pages_as_a_run_keeps_in_memory_and_a_rerun_sends_the_rest(
     store, clean_sim, monkeypatch
 ):

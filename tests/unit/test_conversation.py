@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from worker.core.conversation import (
     Segment,
     parse_conversation_messages,
     render_segment_for_extraction,
+    segment_bytes,
     split_into_segments,
 )
 from worker.extraction.options import validate_since
@@ -899,3 +901,13 @@ def test_a_since_the_segmenter_cannot_read_is_refused_before_any_run(since: str)
 def test_a_since_the_segmenter_reads_passes_the_check(since: str) -> None:
     validate_since(since)
     split_into_segments([at(0), at(1)], since_iso=since)
+
+
+def test_segment_bytes_counts_control_characters_only_as_far_as_the_rendering_keeps_them() -> None:
+    """A paste of 100,000 tabs a message counted 1.25 MB for a rendering of 6.5 KB: a batch of 1 MB held
+    no request at all, and every page after it waited, run after run. Still an upper bound."""
+    tabs = "\t" * 100_000
+    messages = [Message("Ann", f"2024-03-10T09:0{i}:00Z", tabs) for i in range(3)]
+    segment = Segment(messages, ["Ann"], messages[0].timestamp, messages[-1].timestamp)
+    rendered = json.dumps(render_segment_for_extraction("chat: Ann", segment)).encode()
+    assert len(rendered) <= segment_bytes(segment, "chat: Ann") < 100_000

@@ -366,6 +366,9 @@ def segment_bytes(segment: Segment, label: str = "") -> int:
     # The header's names (each cut at HEADER_NAME_CHARS characters), kept whole beside the cut lines.
     names = sum(min(len(n.encode()), HEADER_NAME_CHARS * 4) + 5 for n in segment.participants)
     controls = sum(len(_CONTROL.findall(m.text)) + len(_CONTROL.findall(m.speaker)) for m in segment.messages)
+    # Cut as the text is: a paste of 100,000 tabs counted 400 KB the rendering never held, and a batch
+    # that took less held no request at all (every page after it waited, run after run).
+    controls = min(controls, SEGMENT_TEXT_CHAR_LIMIT + HEADER_NAME_CHARS * len(segment.participants))
     return (min(text, SEGMENT_TEXT_CHAR_LIMIT * 4) + names + len(label.encode())) * 2 + 4 * controls + 512
 
 

@@ -197,7 +197,12 @@ class BatchExtraction:
                 continue
             costs = [overhead + segment_bytes(segment, plan.label) for segment in plan.segments]
             fits = _leading_fit(costs, self.max_requests - queued, self.max_bytes - size)
-            if fits < len(costs) and plans:
+            if fits == 0 and not plans:  # held with no request, it left every page after it waiting
+                alone = f"its next segment alone is more than a batch takes ({self.max_bytes} bytes)"
+                self.finish(
+                    PageReport(ref.slug, "failed", f"{alone}; extract it online (`factmill extract --slug`)")
+                )
+            elif fits < len(costs) and plans:
                 full = f"the batch is full ({queued} requests, about {size} bytes); run again"
                 self.finish(PageReport(ref.slug, "skipped", full))
             elif fits < len(costs) and plan.replace:
