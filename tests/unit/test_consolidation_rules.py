@@ -239,10 +239,27 @@ def test_parse_decisions_is_strict() -> None:
         '{"decisions": [{"pair": 1, "decision": "merge", "reason": ""}]}',
         '{"decisions": ["x"]}',
         '{"decisions": [{"pair": true, "decision": "updates", "reason": ""}]}',  # true is not pair 1
+        '{"decisions": [{"pair": "\u00b3", "decision": "updates", "reason": ""}]}',  # a digit, not ASCII
+        '{"decisions": [{"pair": "' + "9" * 5000 + '", "decision": "updates", "reason": ""}]}',
         "[" * 5000 + "]" * 5000,  # past the decoder's nesting limit: a RecursionError before
     ):
         with pytest.raises(MalformedDecisionsError):
             parse_decisions(bad, [1])
+
+
+def test_one_unusable_decision_leaves_out_its_pair_not_the_whole_answer() -> None:
+    """One item of forty with a verdict out of the list (or no pair number) threw the other 39 answers
+    away on every retry, and the job failed at the same fact on every later run. It is left out as a
+    skipped pair is (asked again once); "Duplicate" and "3" are read as meant."""
+    reply = (
+        '{"decisions": [{"pair": 1, "decision": "merge", "reason": ""},'
+        ' {"pair": "2", "decision": " Duplicate ", "reason": "same"},'
+        ' "x", {"decision": "updates"}, {"pair": 3, "decision": "updates", "reason": "new"}]}'
+    )
+    answers = parse_decisions(reply, [1, 2, 3])
+    assert set(answers) == {2, 3} and answers[2].verdict == "duplicate" and answers[3].verdict == "updates"
+    with pytest.raises(MalformedDecisionsError, match="pair 1: its decision is not one of"):
+        parse_decisions('{"decisions": [{"pair": 1, "decision": "merge"}, "x"]}', [1, 2])
     # The model's values are described, never quoted (the message becomes the job's last error).
     for echoed in (
         '{"decisions": [{"pair": "Alice lives in Lisbon", "decision": "updates"}]}',

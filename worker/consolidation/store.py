@@ -1,5 +1,6 @@
-"""Consolidation's reads and writes; every decision is one transaction (fact marked, effect, audit
-row, entity checkpoint advanced), so each is committed exactly once."""
+"""Consolidation's reads and writes; decisions commit in chunks (service.DECISIONS_PER_COMMIT), each
+with its fact marked, its effect, its audit row and the entity checkpoint advanced, so each is
+committed exactly once."""
 
 from __future__ import annotations
 
