@@ -136,8 +136,11 @@ def test_ingest_extract_rerun_and_force_on_the_examples(cli_process, simulator):
     assert as_json(cli("facts", "list", "--slug", slug, "--json")) == facts
     # The API's query (GET /v1/pages/.../facts): current facts, --history adds the rest with a status.
     history = as_json(cli("facts", "list", "--slug", slug, "--history", "--json"))
-    assert [{k: v for k, v in f.items() if k != "status"} for f in history] == facts
-    assert {f["status"] for f in history} == {"current"}
+    lifecycle = ("status", "id", "superseded_by", "duplicate_of")  # the ids `facts unmerge` takes
+    assert [{k: v for k, v in f.items() if k not in lifecycle} for f in history] == facts
+    assert {f["status"] for f in history} == {"current"} and all(isinstance(f["id"], int) for f in history)
+    assert len({f["id"] for f in history}) == len(history)
+    assert {(f["superseded_by"], f["duplicate_of"]) for f in history} == {(None, None)}
     missing = cli("facts", "list", "--slug", "conversations/nope", check=False)
     assert missing.returncode == 1 and "no page 'conversations/nope' in source 'default'" in missing.stderr
     unchanged = as_json(cli("ingest", str(EXAMPLES), "--no-enqueue", "--json"))

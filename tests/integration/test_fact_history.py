@@ -329,3 +329,21 @@ def test_undoing_a_decision_whose_other_fact_is_gone_says_so_not_fact_0(consolid
         assert unmerge(session, dup.id, "alice-admin") is None
     said = undone("unmerge", dup.id, None)
     assert "unmerged from a fact since deleted" in said and "fact 0" not in said
+
+
+def test_cli_search_with_history_shows_each_facts_status_and_link(
+    factory: sessionmaker[Session], simulator: Any, database_url: str
+) -> None:
+    """`factmill search --include-history` printed the superseded "lives in Lisbon" beside the current
+    "lives in Porto" with nothing telling them apart; the table has a status column (and its link)
+    whenever a result is not current."""
+    llm = OpenAIChatClient(model="simulator-1", base_url=simulator.base_url, provider="simulator")
+    both_pages_consolidated(factory, llm)
+    with factory() as session:
+        porto = next(f for f in entity_timeline(session, ALICE) if f.fact == PORTO)
+    args = ("search", "lex: lives", "--no-expand", "--limit", "5")
+    shown = invoke_cli(database_url, *args, "--include-history", COLUMNS="250")
+    assert shown.exit_code == 0, shown.output
+    assert f"superseded → {porto.id}" in shown.output and "duplicate = " in shown.output
+    current = invoke_cli(database_url, *args, COLUMNS="250")
+    assert current.exit_code == 0 and "Porto" in current.output and "status" not in current.output

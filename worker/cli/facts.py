@@ -33,7 +33,12 @@ def _as_row(fact: FactRecord, with_status: bool) -> dict[str, Any]:
         "unit": fact.claim_unit,
         "period": fact.claim_period,
     }
-    return row | {"status": fact.status} if with_status else row
+    if not with_status:
+        return row
+    # The ids `facts unmerge` and `facts restore` take, and the links: a page-level fact (no entity) is
+    # in no entity's `facts history`, so a wrong merge of one could not be undone from the CLI.
+    links = {"superseded_by": fact.superseded_by, "duplicate_of": fact.duplicate_of}
+    return {"id": fact.id} | row | {"status": fact.status} | links
 
 
 @facts_app.command("list")
@@ -68,10 +73,18 @@ def facts_list(
         if more:  # a script reading stdout sees a list either way: the note is on stderr, as history's
             err.print(more)
         return
-    table = folding_table("#", "kind", "fact", "entity", "conf", *(["status"] if history else []), title=slug)
+    lifecycle_columns = ["status", "id", "link"] if history else []
+    table = folding_table("#", "kind", "fact", "entity", "conf", *lifecycle_columns, title=slug)
     for f in facts:
         cells = [str(f["row_num"]), f["kind"], f["fact"], f["entity"] or "", f"{f['confidence']:.2f}"]
-        table.add_row(*cells, *([f["status"]] if history else []))
+        if history:
+            link = f"→ {f['superseded_by']}" if f["superseded_by"] else ""
+            cells += [
+                f["status"],
+                str(f["id"]),
+                link or (f"= {f['duplicate_of']}" if f["duplicate_of"] else ""),
+            ]
+        table.add_row(*cells)
     out.print(table)
     if more:
         err.print(more)

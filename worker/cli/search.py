@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Annotated
 
 import typer
+from rich.console import RenderableType
 
 from worker.cli.console import (
     counting_bar,
@@ -59,18 +60,22 @@ def _print_outcome(outcome: SearchOutcome) -> None:
         err.print(f"note: {note}", highlight=False)
     if not outcome.results:
         return
-    table = folding_table("#", "score", "fact", "kind", "page · row", "conf", show_lines=True)
+    # With --include-history, a superseded fact read as the current one beside it ("lives in Lisbon" and
+    # "lives in Porto"): the status and its link are shown whenever a result is not current.
+    lifecycle = any(result.status != "current" for result in outcome.results)
+    columns = ("#", "score", "fact", "kind", "page · row", "conf", *(("status",) if lifecycle else ()))
+    table = folding_table(*columns, show_lines=True)
     for rank, result in enumerate(outcome.results, start=1):
         snippet = result.snippet.split("\n", 1)
         shown = styled(f"{result.fact}\n", (f"{snippet[0]}\n{snippet[1] if len(snippet) > 1 else ''}", "dim"))
-        table.add_row(
-            str(rank),
-            f"{result.score:.3f}",
-            shown,
-            result.kind,
-            f"{result.page_slug} · {result.row_num}",
-            f"{result.confidence:.2f}",
-        )
+        cells: list[RenderableType] = [str(rank), f"{result.score:.3f}", shown, result.kind]
+        cells += [f"{result.page_slug} · {result.row_num}", f"{result.confidence:.2f}"]
+        if lifecycle:
+            link = result.superseded_by or result.duplicate_of
+            cells.append(
+                f"{result.status} {'→' if result.superseded_by else '='} {link}" if link else result.status
+            )
+        table.add_row(*cells)
     out.print(table)
 
 
