@@ -311,6 +311,11 @@ def test_db_stop_stops_the_embedded_postgres_a_killed_client_still_names(tmp_pat
         postmaster = read_pid(pgdata / "postmaster.pid")
         assert postmaster is not None and pid_alive(postmaster)
         assert (pgdata / ".handle_pids.json").read_text() != "[]"  # the killed client is still listed
+        # No schema here: the refusal names the folder (from another folder, ./var is a new database,
+        # and "run `factmill db upgrade`" alone built a second one beside the service's).
+        refused = cli(data_dir, "jobs", "list", FACTMILL_BROKER_URL="redis://127.0.0.1:1/0")
+        assert refused.returncode == 1 and "the database has no Factmill schema" in refused.stderr
+        assert f"(Postgres: embedded (pgserver) under {pgdata}; FACTMILL_DATA_DIR" in refused.stderr
         result = cli(data_dir, "db", "stop", FACTMILL_BROKER_URL="redis://127.0.0.1:1/0")
         assert result.returncode == 0, result.stdout + result.stderr
         assert f"embedded Postgres: stopped (pid {postmaster})" in result.stdout

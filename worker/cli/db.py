@@ -9,18 +9,12 @@ import typer
 
 from worker import db
 from worker.cli.console import err, fail, out
-from worker.cli.sessions import database_url, refuse_unset_servers, schema_state
+from worker.cli.sessions import database_url, describe_database, refuse_unset_servers, schema_state
 from worker.core.errors import error_summary
 from worker.embedded import StopOutcome, stop_embedded_postgres, stop_embedded_redis
 from worker.settings import Settings, get_settings
 
 db_app = typer.Typer(help="Database schema and the embedded servers.", no_args_is_help=True)
-
-
-def _describe_database(settings: Settings) -> str:
-    if settings.database_url:
-        return "Postgres: FACTMILL_DATABASE_URL"
-    return f"Postgres: embedded (pgserver) under {(settings.data_dir / 'pg').resolve()}"
 
 
 @db_app.command("upgrade")
@@ -43,7 +37,7 @@ def db_upgrade(
         upgrade_schema(settings, url, revision, wait=wait)
     except SchemaUpgradeError as exc:
         raise fail(str(exc), code=exc.code) from None
-    out.print(f"schema at revision {db.current_revision(url)} ({_describe_database(settings)})")
+    out.print(f"schema at revision {db.current_revision(url)} ({describe_database(settings)})")
 
 
 class SchemaUpgradeError(Exception):

@@ -47,12 +47,22 @@ def schema_state(settings: Settings, url: str, *, wait: bool = False) -> db.Sche
     return retrying(db.schema_state, url)
 
 
+def describe_database(settings: Settings) -> str:
+    if settings.database_url:
+        return "Postgres: FACTMILL_DATABASE_URL"
+    return f"Postgres: embedded (pgserver) under {(settings.data_dir / 'pg').resolve()}"
+
+
 def checked_factory(settings: Settings | None = None, *, wait: bool = False) -> sessionmaker[Session]:
     """Sessions on the configured database once its schema is at the migrations' head (``wait``: see
     ``schema_state``)."""
     settings = settings or get_settings()
     url = database_url(settings)
     problem = schema_state(settings, url, wait=wait).problem()
+    if problem and not settings.database_url:
+        # Which one: run from another folder, ./var named a new, empty one, and "run `factmill db
+        # upgrade`" built a second database beside the one the service uses.
+        problem += f" ({describe_database(settings)}; FACTMILL_DATA_DIR names the folder)"
     if problem:
         raise fail(problem)
     return db.session_factory(url)
