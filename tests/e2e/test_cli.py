@@ -409,6 +409,14 @@ def test_clear_errors_for_bad_options_and_a_missing_schema(cli, server_url, fact
     assert "Start one by naming a selection" in " ".join(bare.stdout.split()), bare.stdout
     scripted = cli("backfill", "--json", check=False)
     assert scripted.returncode == 2 and "name a selection to start a backfill" in scripted.stderr
+    # The group's options before a command were dropped: the table for `--json list`, every source's
+    # backfills for `--source a list`.
+    for misplaced, named in (
+        (["--json"], "--json"),
+        (["--source", "a", "--since", "2026-01-01"], "--source, --since"),
+    ):
+        refused = cli("backfill", *misplaced, "list", check=False)
+        assert refused.returncode == 2 and f"{named} start a backfill; put a command's own" in refused.stderr
     with factory() as session:
         assert session.scalar(text("SELECT count(*) FROM backfills")) == 0
     # A backfill that matches no stored page plans nothing: said so, nothing queued.
@@ -521,6 +529,21 @@ def test_a_migrate_or_flower_with_no_server_set_is_refused_in_production(tmp_pat
         assert result.returncode == 2 and "Traceback" not in result.stderr, (command, result.stderr)
         assert f"FACTMILL_{unset} is not set: production runs on real servers" in result.stderr
     assert not (tmp_path / "var").exists()  # no embedded server was started
+
+
+def test_the_demo_refuses_to_run_in_production(tmp_path: Path):
+    """`factmill demo` with a production .env upgraded that database, posted its 23 example pages into
+    its default source and started a worker on its queues (taking real jobs, with real LLM spend)."""
+    env = bare_env(
+        FACTMILL_ENVIRONMENT="production",
+        FACTMILL_DATABASE_URL="postgresql+psycopg://nobody@127.0.0.1:1/prod",
+        FACTMILL_BROKER_URL="redis://127.0.0.1:1/0",
+        FACTMILL_DATA_DIR=str(tmp_path / "var"),
+    )
+    result = run_main(["demo"], env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "the demo does not run with FACTMILL_ENVIRONMENT=production" in result.stderr
+    assert not (tmp_path / "var").exists()  # nothing started
 
 
 def test_costs_on_the_embedded_default_prints_no_library_warning(tmp_path: Path):

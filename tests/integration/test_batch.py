@@ -829,9 +829,12 @@ def test_cli_backfill_copies_lists_and_deletes_the_owed_copies(
     assert "no provider batch copy is owed" in cli().stdout
 
     ProviderCopies(committed_store).owe("anthropic", "msgbatch_elsewhere", "HTTP 500")
-    elsewhere = cli("--delete")  # owed by a provider this deployment is not configured with
-    assert elsewhere.exit_code == 0 and "1 still owed" in elsewhere.stdout
+    elsewhere = cli("--delete")  # owed by a provider this deployment is not configured with: exit 1
+    assert elsewhere.exit_code == 1 and "1 still owed" in elsewhere.stdout
     assert "belong to another provider than the configured one (simulator)" in elsewhere.stderr
+    scripted = cli("--delete", "--json")  # (exit 0 and no reason before: a script read "deleted")
+    assert scripted.exit_code == 1 and json.loads(scripted.stdout)["owed"] == 1
+    assert "belong to another provider" in scripted.stderr
 
     # A batch an `extract --batch` run sent and still collects: on record, not owed, not deleted.
     ProviderCopies(committed_store).settle("anthropic", "msgbatch_elsewhere")

@@ -59,11 +59,22 @@ def backfill(
 ) -> None:
     """Start a backfill: a batch_extraction job plans the pages, stores and sends its batches, and
     commits their results as they end (`factmill backfill show ID` follows it). Returns at once."""
-    if ctx.invoked_subcommand is not None:
-        return
     selection_options = ("source", "since", "slug_prefix", "max_segments")
     # By name: typer (0.29) carries a click of its own, whose ParameterSource is not click's.
-    if all(getattr(ctx.get_parameter_source(name), "name", None) == "DEFAULT" for name in selection_options):
+    given = [
+        n
+        for n in (*selection_options, "as_json")
+        if getattr(ctx.get_parameter_source(n), "name", None) != "DEFAULT"
+    ]
+    if ctx.invoked_subcommand is not None:
+        if given:  # `backfill --json list` printed the table, `backfill --source a list` every source's
+            flags = ", ".join("--" + ("json" if n == "as_json" else n.replace("_", "-")) for n in given)
+            raise fail(
+                f"{flags} start a backfill; put a command's own options after it (`backfill list --json`)",
+                code=2,
+            )
+        return
+    if not [n for n in given if n != "as_json"]:
         # Typed to see the subcommands, it queued a paid backfill of every page of the default source.
         if as_json:  # a script asked for a backfill's JSON: no help text and exit 0 for it
             raise fail("name a selection to start a backfill (e.g. --source default)", code=2)
@@ -199,6 +210,9 @@ def _delete_copies(factory: sessionmaker[Session], as_json: bool) -> None:
         raise fail(f"cannot reach the provider to delete the copies: {exc}", code=2) from exc
     left, _, _ = ProviderCopies(factory).listing(1)  # (not those a run still holds)
     report = {"deleted": swept.deleted, "not_ended": swept.waiting, "failed": swept.failed, "owed": left}
+    # None tried, yet some owed: they are another provider's. Exit 1, as a failed delete (a script read 0
+    # as "deleted" while the pages' text stayed at the provider).
+    elsewhere = left > 0 and not (swept.deleted or swept.waiting or swept.failed)
     if as_json:
         print_json(report)
     else:
@@ -207,12 +221,13 @@ def _delete_copies(factory: sessionmaker[Session], as_json: bool) -> None:
             f"{left} still owed",
             highlight=False,
         )
-        if left and not (swept.deleted or swept.waiting or swept.failed):
-            err.print(
-                f"the copies owed belong to another provider than the configured one "
-                f"({settings.resolved_llm()}); run this where FACTMILL_LLM names theirs",
-                highlight=False,
-            )
+    if elsewhere:
+        err.print(
+            f"the copies owed belong to another provider than the configured one "
+            f"({settings.resolved_llm()}); run this where FACTMILL_LLM names theirs",
+            highlight=False,
+        )
+        raise typer.Exit(1)
     if swept.failed:
         if not as_json:
             err.print(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -166,7 +167,11 @@ def print_json(data: Any, *, ensure_ascii: bool = True) -> None:
 
 
 def _interactive() -> bool:
-    return sys.stdin.isatty()
+    """Someone may answer: a terminal on stdin, and on stderr (where the question goes), outside CI (a
+    CI step run in a pseudo-terminal, as Buildkite runs them, or `docker run -t`, waited for an answer
+    until the job timed out)."""
+    ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+    return sys.stdin.isatty() and sys.stderr.isatty() and not ci
 
 
 def confirmed(question: str, yes: bool) -> bool:
