@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 import time
 from collections.abc import Callable, Iterable
 
@@ -59,11 +60,25 @@ class UnknownConfigKeyError(ValueError):
     """A key no part of Factmill reads (a typo, most likely)."""
 
 
+def _words(key: str) -> set[str]:
+    return set(re.split(r"[._]", key.lower()))
+
+
+_KNOWN_WORDS = frozenset().union(*map(_words, CONFIG_KEYS))
+
+
+def _keeps_words(typed: str, known: str) -> bool:
+    """Whether ``known`` has every word of ``typed`` that some key has (a misspelt word is free): the
+    closest spelling alone offered `facts.extraction_enabled` for `facts.compaction_enabled`, and the
+    work budget for a search budget; an operator who took the hint switched off the wrong thing."""
+    return _words(typed) & _KNOWN_WORDS <= _words(known)
+
+
 def check_key(key: str) -> None:
     """Raise UnknownConfigKeyError, naming the closest known key, unless ``key`` is one of CONFIG_KEYS."""
     if key in CONFIG_KEYS:
         return
-    close = difflib.get_close_matches(key, CONFIG_KEYS, n=1)
+    close = [known for known in difflib.get_close_matches(key, CONFIG_KEYS, n=5) if _keeps_words(key, known)]
     hint = f"; did you mean {close[0]!r}?" if close else "."
     raise UnknownConfigKeyError(f"unknown config key {key!r}{hint} The keys are: {', '.join(CONFIG_KEYS)}")
 

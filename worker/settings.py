@@ -102,13 +102,15 @@ class Settings(BaseSettings):
     embedding_model: str | None = Field(default=None, min_length=1, max_length=200)
     llm_timeout_seconds: float = Field(default=60.0, gt=0, le=YEAR_SECONDS)
     llm_max_output_tokens: int = Field(default=1024, ge=64, le=32_768)
+    # The FACTMILL_ name first: set because the host already carries another project's key under the
+    # SDK's own name, it was overridden by that one (every call billed to and limited by the other key).
     openai_api_key: str | None = Field(
-        default=None, repr=False, validation_alias=AliasChoices("OPENAI_API_KEY", "FACTMILL_OPENAI_API_KEY")
+        default=None, repr=False, validation_alias=AliasChoices("FACTMILL_OPENAI_API_KEY", "OPENAI_API_KEY")
     )
     anthropic_api_key: str | None = Field(
         default=None,
         repr=False,
-        validation_alias=AliasChoices("ANTHROPIC_API_KEY", "FACTMILL_ANTHROPIC_API_KEY"),
+        validation_alias=AliasChoices("FACTMILL_ANTHROPIC_API_KEY", "ANTHROPIC_API_KEY"),
     )
     # The bundled simulator (used when llm resolves to "simulator").
     simulator_url: str | None = None
@@ -467,6 +469,12 @@ _ALIASES = alias_choices(Settings.model_fields)
 def get_settings() -> Settings:
     """The process-wide settings (read once; tests build their own Settings instead). A refused value
     raises InvalidSettingsError, one line for a person, not pydantic's report."""
+    if os.environ.get("FACTMILL_ENVIRONMENT", "unset").strip() == "":
+        # Empty reads as unset (env_ignore_empty): a Helm value or a `${VAR:-}` left empty meant
+        # development, every production check off, over the image's own FACTMILL_ENVIRONMENT=production.
+        raise InvalidSettingsError(
+            "FACTMILL_ENVIRONMENT is set but empty: name development, test or production (or unset it)"
+        )
     try:
         settings = Settings()
     except ValidationError as exc:

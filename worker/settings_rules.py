@@ -72,9 +72,10 @@ def retention_covers_replays(settings: JudgedSettings) -> None:
 
 def soft_limit_first(settings: JudgedSettings) -> None:
     soft, hard = settings.task_soft_time_limit_seconds, settings.task_time_limit_seconds
-    if soft >= hard and hard > 1 and "task_soft_time_limit_seconds" not in settings.model_fields_set:
-        # The hard limit lowered alone (it is the stall detector too): the default soft limit
-        # follows it, as 3300 does 3600.
+    if "task_soft_time_limit_seconds" not in settings.model_fields_set and hard > 1:
+        # The hard limit set alone (it is the stall detector too): the default soft limit follows it,
+        # as 3300 does 3600, lowered or raised (raised to 7200, a soft 3300 stopped every task at 55
+        # minutes, an unclassified error retried until its attempts were spent).
         settings.task_soft_time_limit_seconds = hard - max(1, hard // 12)
         return
     if soft >= hard:

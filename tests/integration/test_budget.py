@@ -74,6 +74,11 @@ def test_parse_usd_and_prices():
         ('{"m": {"input": [1], "output": 1}}', "llm.prices['m'].input must be a number"),
         ('{"m": {"input": "lots", "output": 1}}', "llm.prices['m'].input must be a number"),
         ("[" * 20_000 + "]" * 20_000, "not nested"),  # past the decoder's limit: a 500 from the API before
+        # Python's own advice before ("use sys.set_int_max_str_digits()"), which no operator can take.
+        (
+            '{"m": {"input": ' + "9" * 5000 + ', "output": 1}}',
+            "llm.prices holds a number thousands of digits",
+        ),
     ):
         with pytest.raises(ValueError) as caught:
             parse_prices(bad)

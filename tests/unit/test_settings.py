@@ -102,6 +102,11 @@ def test_the_soft_time_limit_comes_before_the_hard_one(
     monkeypatch.setenv("FACTMILL_TASK_TIME_LIMIT_SECONDS", "1800")
     lowered = fresh_settings()
     assert (lowered.task_soft_time_limit_seconds, lowered.task_time_limit_seconds) == (1650, 1800)
+    # Raised alone, too: the soft limit stayed at 3300 and stopped every long recompute at 55 minutes.
+    monkeypatch.setenv("FACTMILL_TASK_TIME_LIMIT_SECONDS", "7200")
+    fresh_settings.cache_clear()
+    raised = fresh_settings()
+    assert (raised.task_soft_time_limit_seconds, raised.task_time_limit_seconds) == (6600, 7200)
     monkeypatch.setenv("FACTMILL_TASK_TIME_LIMIT_SECONDS", "1")  # no soft limit fits below it
     fresh_settings.cache_clear()
     with pytest.raises(InvalidSettingsError, match="never come before the hard one kills it"):
@@ -149,7 +154,21 @@ def test_an_api_key_from_a_secret_file_loses_its_newline_and_a_broken_one_is_ref
     monkeypatch.setenv("FACTMILL_OPENAI_API_KEY", "sk-test-01234 56789")
     with pytest.raises(InvalidSettingsError) as caught:
         fresh_settings()
-    assert "OPENAI_API_KEY or FACTMILL_OPENAI_API_KEY: an API key holds no spaces" in str(caught.value)
+    assert "FACTMILL_OPENAI_API_KEY or OPENAI_API_KEY: an API key holds no spaces" in str(caught.value)
+
+
+def test_the_factmill_named_api_key_wins_over_the_sdks_own_name(fresh_settings, monkeypatch) -> None:
+    """A host already carrying another project's OPENAI_API_KEY: FACTMILL_OPENAI_API_KEY, set for this
+    reason, was overridden by it (every call billed to and limited by the other key)."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-other-project-0123")
+    monkeypatch.setenv("FACTMILL_OPENAI_API_KEY", "sk-factmill-0123")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-other-0123")
+    monkeypatch.setenv("FACTMILL_ANTHROPIC_API_KEY", "sk-ant-factmill-0123")
+    settings = fresh_settings()
+    assert (settings.openai_api_key, settings.anthropic_api_key) == (
+        "sk-factmill-0123",
+        "sk-ant-factmill-0123",
+    )
 
 
 def test_a_model_name_from_a_file_loses_its_newline_and_a_blank_one_is_the_default(
@@ -313,3 +332,14 @@ def test_the_demo_names_each_store_where_it_is(urls: dict[str, str], said: str) 
 
     named = store_names(Settings(**{"database_url": None, "broker_url": None, **urls}))
     assert named.startswith(said) and ("under" in said) == (" under " in named), named
+
+
+def test_an_empty_environment_name_is_refused_not_read_as_development(fresh_settings, monkeypatch) -> None:
+    """FACTMILL_ENVIRONMENT= (a Helm value or a `${VAR:-}` left empty) read as unset: development, every
+    production check off (placeholder secrets, the embedded servers), over the image's production."""
+    monkeypatch.setenv("FACTMILL_ENVIRONMENT", "")
+    with pytest.raises(InvalidSettingsError, match="FACTMILL_ENVIRONMENT is set but empty"):
+        fresh_settings()
+    fresh_settings.cache_clear()
+    monkeypatch.setenv("FACTMILL_ENVIRONMENT", "test")
+    assert fresh_settings().environment == "test"

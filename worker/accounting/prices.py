@@ -116,6 +116,10 @@ def parse_prices(value: str | None) -> dict[str, Price]:
         raise ValueError(f"{PRICES_KEY} must be a JSON object of model → prices: {exc.msg}") from exc
     except RecursionError:  # thousands of nested arrays: past the decoder's limit (a 500 before)
         raise ValueError(f"{PRICES_KEY} must be a JSON object of model → prices, not nested") from None
+    except ValueError:  # an integer of 4,300+ digits: Python's advice (sys.set_int_max_str_digits) was said
+        raise ValueError(
+            f"{PRICES_KEY} holds a number thousands of digits long; prices are USD per 1M tokens"
+        ) from None
     if not isinstance(raw, dict):
         raise ValueError(f"{PRICES_KEY} must be a JSON object of model → prices")
     prices: dict[str, Price] = {}
