@@ -173,6 +173,10 @@ def test_the_dashboard_has_the_panels_operators_need():
         assert word in titles
     assert 'direction="cached"' in exprs and "factmill_kill_switch_enabled" in exprs
     assert all("by (purpose" in e for t, e in _exprs() if t.startswith("LLM"))
+    # Queue depth is the jobs due (what KEDA and the backlog alert read): all queued ones, which include
+    # jobs waiting out a backoff or a provider outage, showed a whole outage's backlog as work to scale for.
+    depth = next(p for p in PANELS if p["title"].lower().startswith("queue depth"))
+    assert "factmill_jobs_due" in depth["targets"][0]["expr"] and "KEDA reads it" not in depth["description"]
 
 
 def test_the_dashboard_is_importable():

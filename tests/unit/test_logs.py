@@ -315,3 +315,36 @@ def test_a_traceback_of_an_llm_error_tells_its_sdk_cause_by_status_not_by_the_pr
     assert "Alice" not in formatted and "diagnosis" not in formatted, formatted
     assert "BadRequestError: HTTP 400" in formatted
     assert formatted.splitlines()[-1] == "LLMError: HTTP 400 (invalid_value)", formatted
+
+
+def test_the_heartbeats_lines_name_the_job_they_beat_for() -> None:
+    """The heartbeat thread started with no bound fields: the line saying a job stalled and its lease is
+    left to lapse (and a failed beat's) carried no job_id, job_kind or task_id."""
+    import time
+
+    from sqlalchemy.orm import sessionmaker
+
+    from worker.jobs.leases import Heartbeat
+
+    records: list[logging.LogRecord] = []
+
+    class Kept(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Kept()
+    handler.addFilter(ContextFilter())
+    leases = logging.getLogger("worker.jobs.leases")
+    leases.addHandler(handler)
+    try:
+        with log_context(task_id="t-9", job_id=9, job_kind="extraction"):
+            beat = Heartbeat(sessionmaker(), 9, "token", interval=0.01, stall_after=0.0, listen=False)
+            with beat:
+                deadline = time.monotonic() + 10
+                while not any("showed no progress" in r.getMessage() for r in records):
+                    assert time.monotonic() < deadline, "the heartbeat never took the run for stalled"
+                    time.sleep(0.01)
+    finally:
+        leases.removeHandler(handler)
+    stalled = next(r for r in records if "showed no progress" in r.getMessage())
+    assert (stalled.task_id, stalled.job_id, stalled.job_kind) == ("t-9", 9, "extraction")  # type: ignore[attr-defined]

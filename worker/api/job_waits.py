@@ -60,7 +60,10 @@ class JobWaits:
             "(factmill_jobs counts them as queued). What a worker pool can take: scale and alert on it",
             labels=["kind"],
         )
-        for kind in sorted(set(kinds) | set(self.due) | set(self.beat)):  # zeros: no series vanishes
+        # The kinds this release runs, each with a series (zeros: none vanishes). Not a kind only another
+        # release knows (rolled back while its jobs wait): nothing here takes or sweeps it, by design, and
+        # its growing ages fired "the sweeper is not running" for good (factmill_jobs still counts them).
+        for kind in sorted(set(kinds)):
             waiting.add_metric([kind], self.due.get(kind, 0.0))
             silent.add_metric([kind], self.beat.get(kind, 0.0))
             due.add_metric([kind], self.due_count.get(kind, 0))

@@ -236,7 +236,7 @@ class StoreCollector(ScrapeTimeCollector[_StoreRows]):
             switches,
             jobs_gauge,
             _paused_jobs(rows.paused, kinds),
-            *rows.waits.metrics(kinds),
+            *rows.waits.metrics(kind_names()),
             attempts,
             losses,
             ended,

@@ -305,7 +305,21 @@ def flower(
     refuse_unset_servers(settings, "broker_url")
     refuse_open_flower(settings, host)
     os.environ.update(flower_logins(settings))
-    raise typer.Exit(celery_exit_code(["flower", f"--address={host}", f"--port={port}"]))
+    raise typer.Exit(celery_exit_code(flower_argv(host, port)))
+
+
+def flower_argv(host: str, port: int) -> list[str]:
+    """Celery's command line for Flower: its address, and its memory bounds (an option Flower does not
+    know ends it at start, so tests/integration/test_service.py's Flower checks these are taken)."""
+    bounds = [f"--max_tasks={FLOWER_MAX_TASKS}", f"--purge_offline_workers={FLOWER_PURGE_OFFLINE_SECONDS}"]
+    return ["flower", f"--address={host}", f"--port={port}", *bounds]
+
+
+# Flower keeps this many tasks' events (its default, 100,000 of about 3 KB each, is some 300 MB in a pod
+# of 512Mi), and forgets a worker offline this long (every pod KEDA scaled in stayed listed for good,
+# with a flower_worker_online series of its own).
+FLOWER_MAX_TASKS = 10_000
+FLOWER_PURGE_OFFLINE_SECONDS = 600
 
 
 def flower_logins(settings: Settings) -> dict[str, str]:

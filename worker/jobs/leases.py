@@ -37,6 +37,7 @@ from worker.core.errors import error_summary
 from worker.jobs import revocations
 from worker.jobs.budgets import JobBudgets
 from worker.jobs.outages import ClockChange
+from worker.runtime.logs import bound_fields, log_context
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +284,13 @@ class Heartbeat:
         self._stop = threading.Event()
         self._lost = threading.Event()
         self._revoked = threading.Event()  # set by worker.jobs.revocations the moment a transaction says so
-        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{job_id}", daemon=True)
+        # The job's log fields (job_id, job_kind, task_id), bound on the thread that runs it: a new thread
+        # starts with none, and the lines saying why a job stalled or its beat failed carried no ids.
+        # Not the whole context (copy_context): that would put every beat's SQL into the job's trace.
+        fields = bound_fields()
+        self._thread = threading.Thread(
+            target=self._beating, args=(fields,), name=f"heartbeat-{job_id}", daemon=True
+        )
         bind = factory.kw.get("bind")
         self._engine = bind if isinstance(bind, Engine) and listen else None
         self._unwatch: Callable[[], None] = lambda: None
@@ -305,6 +312,10 @@ class Heartbeat:
         )
         self._lost.set()
         return True
+
+    def _beating(self, fields: dict[str, str | int]) -> None:
+        with log_context(**fields):
+            self._run()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
