@@ -1539,6 +1539,25 @@ def test_a_batch_the_provider_does_not_know_with_requests_pending_waits_until_ca
     assert request_statuses(factory, backfill_id) == {"cancelled": 8}
 
 
+def test_a_batch_not_found_past_what_the_provider_keeps_is_collected_as_gone(factory, anthropic_rt, sim):
+    """Sent longer ago than the provider keeps a batch (Anthropic: 29 days; a backfill paused for weeks),
+    a 404 is the batch gone for good, not one held under another key: collected, its requests missing
+    (the next backfill takes the pages), not waiting for a key that would not find it either."""
+    seed_pages(factory, "bf", 2)
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(anthropic_rt, job_id).status == "paused"
+    with factory.begin() as session:
+        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
+        batch.provider_batch_id = "msgbatch_long_gone"
+        batch.submit_started_at = func.now() - timedelta(days=30)
+    assert drive(anthropic_rt, job_id).status == "succeeded"
+    assert backfill_report(factory, backfill_id)["status"] == "done"
+    assert "done" not in request_statuses(factory, backfill_id) and "pending" not in request_statuses(
+        factory, backfill_id
+    )
+
+
 def test_an_anthropic_batch_cancelled_counts_its_unrun_requests_cancelled(factory, anthropic_rt, sim):
     """Anthropic says "ended" of a cancelled batch: its requests that never ran were counted expired."""
     seed_pages(factory, "bf", 2)

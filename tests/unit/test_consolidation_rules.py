@@ -236,15 +236,24 @@ def test_parse_decisions_is_strict() -> None:
     for bad in (
         "not json",
         "[]",
+        '{"answers": []}',
+        "[" * 5000 + "]" * 5000,  # past the decoder's nesting limit: a RecursionError before
+    ):
+        with pytest.raises(MalformedDecisionsError):
+            parse_decisions(bad, [1])
+    for unusable in (  # left out, as a skipped pair is (asked again once, then kept unrelated)
         '{"decisions": [{"pair": 1, "decision": "merge", "reason": ""}]}',
         '{"decisions": ["x"]}',
         '{"decisions": [{"pair": true, "decision": "updates", "reason": ""}]}',  # true is not pair 1
         '{"decisions": [{"pair": "\u00b3", "decision": "updates", "reason": ""}]}',  # a digit, not ASCII
         '{"decisions": [{"pair": "' + "9" * 5000 + '", "decision": "updates", "reason": ""}]}',
-        "[" * 5000 + "]" * 5000,  # past the decoder's nesting limit: a RecursionError before
     ):
-        with pytest.raises(MalformedDecisionsError):
-            parse_decisions(bad, [1])
+        assert parse_decisions(unusable, [1]) == {}, unusable
+    # A reason is stored: a NUL in it failed the decision's commit.
+    stored = parse_decisions(
+        '{"decisions": [{"pair": 1, "decision": "updates", "reason": "a\\u0000b"}]}', [1]
+    )
+    assert stored[1].reason == "ab"
 
 
 def test_one_unusable_decision_leaves_out_its_pair_not_the_whole_answer() -> None:
@@ -258,21 +267,8 @@ def test_one_unusable_decision_leaves_out_its_pair_not_the_whole_answer() -> Non
     )
     answers = parse_decisions(reply, [1, 2, 3])
     assert set(answers) == {2, 3} and answers[2].verdict == "duplicate" and answers[3].verdict == "updates"
-    with pytest.raises(MalformedDecisionsError, match="pair 1: its decision is not one of"):
-        parse_decisions('{"decisions": [{"pair": 1, "decision": "merge"}, "x"]}', [1, 2])
-    # The model's values are described, never quoted (the message becomes the job's last error).
-    for echoed in (
-        '{"decisions": [{"pair": "Alice lives in Lisbon", "decision": "updates"}]}',
-        '{"decisions": [{"pair": 1, "decision": "Alice lives in Lisbon"}]}',
-    ):
-        with pytest.raises(MalformedDecisionsError) as refused:
-            parse_decisions(echoed, [1])
-        assert "Lisbon" not in str(refused.value)
-        # A reason is stored: a NUL in it failed the decision's commit.
-    stored = parse_decisions(
-        '{"decisions": [{"pair": 1, "decision": "updates", "reason": "a\\u0000b"}]}', [1]
-    )
-    assert stored[1].reason == "ab"
+    # Asked again alone and still unusable, it is a skipped pair (raised, the job failed at that fact).
+    assert parse_decisions('{"decisions": [{"pair": 7, "decision": "merge"}]}', [7]) == {}
 
 
 def test_parse_decisions_reads_a_fenced_reply_and_refuses_an_endless_number() -> None:

@@ -167,11 +167,11 @@ def print_json(data: Any, *, ensure_ascii: bool = True) -> None:
 
 
 def _interactive() -> bool:
-    """Someone may answer: a terminal on stdin, and on stderr (where the question goes), outside CI (a
-    CI step run in a pseudo-terminal, as Buildkite runs them, or `docker run -t`, waited for an answer
-    until the job timed out)."""
+    """Someone may answer: a terminal on stdin, outside CI (a CI step run in a pseudo-terminal, as
+    Buildkite runs them, or `docker run -t`, waited for an answer until the job timed out). Not
+    stderr's: `erase ... 2>&1 | tee log` at a terminal is still asked (the question reaches it)."""
     ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-    return sys.stdin.isatty() and sys.stderr.isatty() and not ci
+    return sys.stdin.isatty() and not ci
 
 
 def confirmed(question: str, yes: bool) -> bool:

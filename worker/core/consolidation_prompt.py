@@ -107,12 +107,12 @@ class PairDecision:
 
 def parse_decisions(text: str, numbers: Sequence[int]) -> dict[int, PairDecision]:
     """The model's decisions by pair number. Pairs it skipped are absent (the caller asks for them
-    again), and so are decisions for a pair that was not asked (never applied; raised, they threw the
-    whole answer away and the job paid for the round again on every retry). A pair number written as
-    digits and a verdict in another case are read as meant; a decision still unusable (not an object,
-    no pair number, an unknown verdict) is left out as a skipped pair is, when the reply holds a usable
-    one: raised, one bad item of forty threw the other answers away on every retry, and the job failed
-    at the same fact on every later run. A reply with no usable decision, or not an object, raises."""
+    again, once, then keeps them unrelated), and so are decisions for a pair that was not asked (never
+    applied; raised, they threw the whole answer away and the job paid for the round again on every
+    retry). A pair number written as digits and a verdict in another case are read as meant; a decision
+    still unusable (not an object, no pair number, an unknown verdict) is left out as a skipped pair is:
+    raised, one bad item of forty threw the other answers away on every retry, and the job failed at
+    the same fact on every later run. A reply that is not an object with a "decisions" list raises."""
     try:
         document = reply_json(text)  # (the one rule for a reply's JSON: worker.core.jsonvalues)
     except (ValueError, TypeError, RecursionError) as exc:  # ValueError: JSON, or an int of 4,300+ digits
@@ -122,33 +122,25 @@ def parse_decisions(text: str, numbers: Sequence[int]) -> dict[int, PairDecision
         raise MalformedDecisionsError('the reply has no "decisions" list')
     wanted = set(numbers)
     out: dict[int, PairDecision] = {}
-    unusable: list[str] = []
-    for item in items:
-        decision = _decision(item)
-        if isinstance(decision, str):
-            unusable.append(decision)
-        elif decision.pair in wanted:
+    for decision in map(_decision, items):
+        if decision is not None and decision.pair in wanted:
             out.setdefault(decision.pair, decision)
-    if unusable and not out:
-        raise MalformedDecisionsError(unusable[0])
     return out
 
 
-def _decision(item: object) -> PairDecision | str:
-    """One item of the reply's list, or why it is unusable. The model's own values are described, never
-    quoted: the message becomes the job's last error, and a model that echoes the facts it judged
-    would put page text there."""
+def _decision(item: object) -> PairDecision | None:
+    """One item of the reply's list; None when it is unusable."""
     if not isinstance(item, dict):
-        return "a decision is not an object"
+        return None
     number, verdict, reason = item.get("pair"), item.get("decision"), item.get("reason")
     digits = number.strip() if isinstance(number, str) else ""
     if digits.isascii() and digits.isdigit() and len(digits) <= 9:  # "3" (ASCII: not "³", nor 4,300 digits)
         number = int(digits)
     if isinstance(number, bool) or not isinstance(number, int):
-        return f"a decision's pair is not a pair number (a {type(number).__name__})"
+        return None
     verdict = verdict.strip().lower() if isinstance(verdict, str) else verdict
     if verdict not in VERDICTS:
-        return f"pair {number}: its decision is not one of {', '.join(VERDICTS)}"
+        return None
     text_reason = made_storable(reason).strip()[:REASON_CHARS] if isinstance(reason, str) else ""
     return PairDecision(number, cast(Verdict, verdict), text_reason or "(no reason given)")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -55,7 +56,7 @@ from worker.extraction.prompts import extraction_request, first_turn
 from worker.extraction.provider_copies import ProviderCopies, discard_batch, forget_uploads
 from worker.extraction.service import ExtractionRun
 from worker.extraction.store import PageRef
-from worker.llm.batch_api import UNDETERMINED, BatchItem, BatchLLMClient, BatchStatus
+from worker.llm.batch_api import PROVIDER_KEEPS, UNDETERMINED, BatchItem, BatchLLMClient, BatchStatus
 from worker.llm.errors import BudgetExhaustedError, LLMError, provider_cannot_serve
 from worker.llm.types import ChatRequest
 
@@ -188,7 +189,6 @@ class BackfillPass:
             # pages' text, named nowhere; it goes before the batch is sent again.
             forget_uploads(self.deps.client, batch.key)
         # Before the requests are rebuilt (the batch's pages read and parsed again, each poll it waits).
-        self.deps.budget.check(self.deps.job_id)  # spent already: the job pauses for budget
         if not limits.within_budget(self, batch, Decimal(0)):
             return False
         requests = self.requests_to_send(batch)
@@ -198,6 +198,7 @@ class BackfillPass:
                 batch.id, unsent_only=True, status="collected", provider_status="nothing to send"
             )
             return True
+        self.deps.budget.check(self.deps.job_id)  # spent already: the job pauses for budget
         estimate = estimated_batch_cost(client.model, requests.values(), self.deps.ledger.prices())
         if not limits.within_budget(self, batch, estimate):
             return False
@@ -452,14 +453,17 @@ class BackfillPass:
     def not_found(self, batch: BatchRow) -> None:
         """The provider answers 404 for a sent batch. With none of its requests pending (Anthropic deletes
         a batch itself on discard: a pass that died between the delete and marking it collected met a 404
-        on every pass after), or the backfill cancelled, it is collected, what it owed missing. Otherwise
-        it is left: a key of another project or workspace of the same provider cannot see it (collected
-        as gone, the backfill ended "done" while the batch ran on, billed, its results never read)."""
-        if not self.store.pending_requests(batch.id) or self.cancelling():
+        on every pass after), sent longer ago than the provider keeps a batch, or the backfill cancelled,
+        it is collected, what it owed missing. Otherwise it is left: a key of another project or workspace
+        of the same provider cannot see it (collected as gone, the backfill ended "done" while the batch
+        ran on, billed, its results never read)."""
+        sent = batch.submit_started_at
+        kept_no_more = sent is not None and datetime.now(UTC) - sent > PROVIDER_KEEPS
+        if kept_no_more or not self.store.pending_requests(batch.id) or self.cancelling():
             self.collect(batch, GONE, fetch=False)
         else:
-            self.stuck(batch, f"not found at {batch.provider}: configure the key that sent it, or cancel "
-                       "the backfill (what it still owes is then counted missing)")  # fmt: skip
+            said = "configure the key that sent it (cancelled, the backfill counts what it owes missing"
+            self.stuck(batch, f"not found at {batch.provider}: {said}; the batch runs on under that key)")
 
     def held_elsewhere(self, batch: BatchRow) -> bool:
         """Whether ``batch`` went (or began to go) to another provider than the one configured now. It

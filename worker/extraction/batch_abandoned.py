@@ -54,7 +54,7 @@ def abandon_send(
             cancel_abandoned(client, found)
         elif found is None:
             client.forget_uploads(key)
-        else:  # a batch of the provider's still runs that may be this one (Anthropic keeps no metadata)
+        else:  # Anthropic keeps no metadata: a batch still running (this one, just taken) may be it
             logger.error(
                 "batch %s: the send stopped, and %s cannot tell yet whether it took it; a batch whose "
                 "custom ids begin with %s- may run there", key, client.provider, key,

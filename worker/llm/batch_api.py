@@ -59,6 +59,9 @@ FIND_MARGIN = timedelta(minutes=30)
 # A batch's completion window at the providers (24 h), and an hour's margin: past it, the provider has
 # ended the batch (done or expired) and billed what ran.
 PROVIDER_WINDOW = timedelta(hours=25)
+# How long a provider keeps an ended batch and its results: Anthropic 29 days (OpenAI's output files, 30).
+# A batch not found past it is gone for good, not held under another key.
+PROVIDER_KEEPS = timedelta(days=29)
 
 
 class BatchLLMClient(Protocol):
