@@ -190,6 +190,7 @@ class BackfillPass:
             forget_uploads(self.deps.client, batch.key)
         # Before the requests are rebuilt (the batch's pages read and parsed again, each poll it waits).
         if not limits.within_budget(self, batch, Decimal(0)):
+            self.deps.budget.check(self.deps.job_id)  # spent: the job pauses for budget, not batches
             return False
         requests = self.requests_to_send(batch)
         if not requests:
