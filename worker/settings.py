@@ -21,6 +21,7 @@ from worker.settings_rules import (
     checked_url,
     clean_api_key,
     clean_model_name,
+    no_empty_environment_name,
     no_foreign_variables,
     unknown_variables,
     variable_names,
@@ -102,8 +103,7 @@ class Settings(BaseSettings):
     embedding_model: str | None = Field(default=None, min_length=1, max_length=200)
     llm_timeout_seconds: float = Field(default=60.0, gt=0, le=YEAR_SECONDS)
     llm_max_output_tokens: int = Field(default=1024, ge=64, le=32_768)
-    # The FACTMILL_ name first: set because the host already carries another project's key under the
-    # SDK's own name, it was overridden by that one (every call billed to and limited by the other key).
+    # The FACTMILL_ name first: set beside a host's other key under the SDK's name, that one won.
     openai_api_key: str | None = Field(
         default=None, repr=False, validation_alias=AliasChoices("FACTMILL_OPENAI_API_KEY", "OPENAI_API_KEY")
     )
@@ -357,6 +357,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _cross_field_rules(self) -> Settings:
         no_foreign_variables(os.environ)
+        no_empty_environment_name(os.environ)
         for rule in CROSS_FIELD_RULES:
             rule(self)
         return self
@@ -371,13 +372,22 @@ class Settings(BaseSettings):
             return "anthropic"
         return "simulator"
 
-    def check_production_secrets(self, *, calls_models: bool = True) -> None:
+    def check_production_secrets(self, *, calls_models: bool = True, holds_secrets: bool = True) -> None:
         """Refuse placeholder secrets outside development (a shared test deployment answers anyone who
         reads the published defaults too), and in production short or shared secrets and, for a process
         that calls a model (``calls_models``: the API, a worker), the unchosen simulator
-        (InsecureSecretsError, one line)."""
+        (InsecureSecretsError, one line). Not the secrets without ``holds_secrets`` (a worker, beat: read
+        by neither; required, every pod held the admin token, a compromised worker one full API admin)."""
         if self.environment == "development":
             return
+        if holds_secrets:
+            self._check_secrets()
+        refused = self.unchosen_simulator() if calls_models else None
+        if refused:
+            raise InsecureSecretsError(refused)
+        self.require_servers("database_url", "broker_url")
+
+    def _check_secrets(self) -> None:
         placeholders = self.placeholder_secrets()
         if placeholders:
             raise InsecureSecretsError(
@@ -400,10 +410,6 @@ class Settings(BaseSettings):
                     "FACTMILL_ADMIN_TOKEN are the same value; give each its own secret (a webhook sender "
                     "must not hold the admin token)"
                 )
-        refused = self.unchosen_simulator() if calls_models else None
-        if refused:
-            raise InsecureSecretsError(refused)
-        self.require_servers("database_url", "broker_url")
 
     def require_servers(self, *names: str) -> None:
         """In production, RefusedSettingsError for a server URL (``database_url``, ``broker_url``) that
@@ -419,12 +425,15 @@ class Settings(BaseSettings):
                     "Postgres and Redis under ./var are one machine's, for development and the demo)"
                 )
 
-    def check_service_settings(self, *, calls_models: bool = True, runs_jobs: bool = False) -> None:
+    def check_service_settings(
+        self, *, calls_models: bool = True, runs_jobs: bool = False, holds_secrets: bool = True
+    ) -> None:
         """What a service (API, worker, beat, MCP server) refuses to start with, RefusedSettingsError:
-        production's weak secrets, missing servers or unchosen simulator, and, for a worker
-        (``runs_jobs``), a provider missing the key or URL it needs: every job would fail after its
-        retries. (The API and the MCP server call a model for search only, which goes on lexically.)"""
-        self.check_production_secrets(calls_models=calls_models)
+        production's weak secrets (``holds_secrets``: the API and the MCP server), missing servers or
+        unchosen simulator, and, for a worker (``runs_jobs``), a provider missing the key or URL it
+        needs: every job would fail after its retries. (The API and the MCP server call a model for
+        search only, which goes on lexically.)"""
+        self.check_production_secrets(calls_models=calls_models, holds_secrets=holds_secrets)
         missing = self.llm_unconfigured() if runs_jobs else None
         if missing:
             raise RefusedSettingsError(missing)
@@ -469,12 +478,6 @@ _ALIASES = alias_choices(Settings.model_fields)
 def get_settings() -> Settings:
     """The process-wide settings (read once; tests build their own Settings instead). A refused value
     raises InvalidSettingsError, one line for a person, not pydantic's report."""
-    if os.environ.get("FACTMILL_ENVIRONMENT", "unset").strip() == "":
-        # Empty reads as unset (env_ignore_empty): a Helm value or a `${VAR:-}` left empty meant
-        # development, every production check off, over the image's own FACTMILL_ENVIRONMENT=production.
-        raise InvalidSettingsError(
-            "FACTMILL_ENVIRONMENT is set but empty: name development, test or production (or unset it)"
-        )
     try:
         settings = Settings()
     except ValidationError as exc:

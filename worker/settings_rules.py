@@ -11,6 +11,15 @@ from pydantic import AliasChoices
 from pydantic.fields import FieldInfo
 
 
+def no_empty_environment_name(environ: Mapping[str, str]) -> None:
+    """An empty value reads as unset (env_ignore_empty): FACTMILL_ENVIRONMENT= (a Helm value or a
+    `${VAR:-}` left empty) meant development, every production check off, over the image's production."""
+    if environ.get("FACTMILL_ENVIRONMENT", "unset").strip() == "":
+        raise ValueError(
+            "FACTMILL_ENVIRONMENT is set but empty: name development, test or production (or unset it)"
+        )
+
+
 class JudgedSettings(Protocol):
     """The fields the rules judge, of worker.settings.Settings (described here: the two modules would
     import each other)."""

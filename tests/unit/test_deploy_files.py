@@ -349,3 +349,58 @@ def test_the_image_leaves_the_code_read_only_to_its_service_user():
     dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
     assert "chown -R" not in dockerfile
     assert "chown factmill:factmill /app/var" in dockerfile and "--home /app/var" in dockerfile
+
+
+def _pods() -> dict[str, dict]:
+    """Each workload's pod template, by its name."""
+    return {
+        d["metadata"]["name"]: d["spec"]["template"]["spec"]
+        for d in _k8s_docs()
+        if d["kind"] in ("Deployment", "Job")
+    }
+
+
+def test_only_the_api_holds_the_admin_token_and_the_webhook_secrets():
+    """Every pod took the whole Secret (the workers and beat refused to start without the API's
+    secrets): a compromised worker, or Flower, held the bootstrap admin credential."""
+    for name, pod in _pods().items():
+        secrets = {
+            ref["secretRef"]["name"] for c in pod["containers"] for ref in c["envFrom"] if "secretRef" in ref
+        }
+        if name == "factmill-api":
+            assert secrets == {"factmill", "factmill-api"}, name
+        elif name == "factmill-flower":
+            assert secrets == {"factmill-flower"}, name
+        else:
+            assert secrets == {"factmill"}, name
+
+
+def test_every_pod_runs_restricted_as_the_images_numeric_user():
+    """No securityContext: a namespace enforcing the restricted Pod Security Standard created no pod, and
+    runAsNonRoot could not verify the image's user, a name (the kubelet refused to start it)."""
+    dockerfile = (REPO / "deploy" / "Dockerfile").read_text()
+    assert "USER 10001:10001" in dockerfile and "--uid 10001" in dockerfile
+    for name, pod in _pods().items():
+        context = pod["securityContext"]
+        assert context["runAsNonRoot"] and context["runAsUser"] == 10001, name
+        assert (
+            context["seccompProfile"] == {"type": "RuntimeDefault"}
+            and not pod["automountServiceAccountToken"]
+        )
+        for container in pod["containers"]:
+            own = container["securityContext"]
+            assert own["allowPrivilegeEscalation"] is False and own["capabilities"] == {"drop": ["ALL"]}, name
+
+
+def test_a_worker_pod_counts_available_only_past_its_start():
+    """With no readiness probe, a worker pod that exits at start (the schema not at head yet) counted
+    available at once: a rollout swapped the single maintenance worker for a crash-looping one."""
+    from worker.settings import Settings
+
+    wait = Settings.model_fields["startup_wait_seconds"].default
+    workers = [
+        d
+        for d in _k8s_docs()
+        if d["kind"] == "Deployment" and d["metadata"]["name"].startswith("factmill-worker-")
+    ]
+    assert workers and all(d["spec"]["minReadySeconds"] > wait for d in workers)

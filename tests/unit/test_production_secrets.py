@@ -76,13 +76,32 @@ def test_a_test_environment_refuses_placeholders_and_keeps_the_rest_lax() -> Non
         production(webhook_secret="DEV-" + "s" * 40).check_production_secrets()  # 44 bytes, guessable
 
 
-@pytest.mark.parametrize("command", ["serve", "worker", "beat"])
-def test_services_refuse_weak_secrets_with_one_line(monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+def test_the_api_refuses_weak_secrets_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FACTMILL_ENVIRONMENT", "production")
     monkeypatch.setenv("FACTMILL_WEBHOOK_SECRET", STRONG)
     monkeypatch.setenv("FACTMILL_ADMIN_TOKEN", STRONG)
-    lines = refused_lines(command)
+    lines = refused_lines("serve")
     assert len(lines) == 1 and "are the same value" in lines[0]
+
+
+@pytest.mark.parametrize("command", ["worker", "beat"])
+def test_workers_and_beat_do_not_need_the_apis_secrets(monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+    """Neither reads the webhook secrets or the admin token, yet both refused to start without them: the
+    bootstrap admin credential had to be in every pod (a compromised worker, one full API admin)."""
+    monkeypatch.setenv("FACTMILL_ENVIRONMENT", "production")
+    for name in ("FACTMILL_WEBHOOK_SECRET", "FACTMILL_ADMIN_TOKEN"):
+        monkeypatch.delenv(name, raising=False)  # the placeholders (dev-secret, dev-admin-token)
+    lines = refused_lines(command)  # what it still refuses here (no model chosen, no servers): not these
+    assert len(lines) == 1 and "placeholder" not in lines[0] and "FACTMILL_" + "WEBHOOK" not in lines[0]
+    assert "placeholder" in refused_lines("serve")[0]  # the API, which reads them, still refuses them
+    assert (
+        production(webhook_secret="dev-secret", admin_token="dev-admin-token").check_service_settings(
+            runs_jobs=True, holds_secrets=False
+        )
+        is None
+    )
+    with pytest.raises(InsecureSecretsError, match="placeholder"):
+        production(webhook_secret="dev-secret").check_service_settings(runs_jobs=True)
 
 
 def refused_lines(command: str) -> list[str]:

@@ -38,12 +38,14 @@ def checked_loglevel(loglevel: str) -> str:
 
 
 def refuse_insecure_secrets(
-    settings: Settings, *, calls_models: bool = True, runs_jobs: bool = False
+    settings: Settings, *, calls_models: bool = True, runs_jobs: bool = False, holds_secrets: bool = True
 ) -> None:
     """Settings a service refuses (a placeholder secret outside development, a weak one in production,
     a worker's provider missing its key): one clear line and exit 2, never a traceback."""
     try:
-        settings.check_service_settings(calls_models=calls_models, runs_jobs=runs_jobs)
+        settings.check_service_settings(
+            calls_models=calls_models, runs_jobs=runs_jobs, holds_secrets=holds_secrets
+        )
     except RefusedSettingsError as exc:
         raise fail(str(exc), code=2) from None
 
@@ -197,7 +199,7 @@ def worker(
 
     Each process runs --concurrency jobs and FACTMILL_LLM_CONCURRENCY LLM calls at once."""
     settings = get_settings()
-    refuse_insecure_secrets(settings, runs_jobs=True)
+    refuse_insecure_secrets(settings, runs_jobs=True, holds_secrets=False)  # it reads neither secret
     refuse_missing_tracing(settings)
     try:
         queues = worker_queues(queues, known_queues())
@@ -277,7 +279,8 @@ def beat(loglevel: Annotated[str, typer.Option(help=LOGLEVEL_HELP)] = "info") ->
     """Run Celery beat (the sweeper every 30 s, and later schedules)."""
     loglevel = checked_loglevel(loglevel)
     settings = get_settings()
-    refuse_insecure_secrets(settings, calls_models=False)  # it only schedules: workers call the model
+    # It only schedules: workers call the model, the API holds the secrets.
+    refuse_insecure_secrets(settings, calls_models=False, holds_secrets=False)
     refuse_missing_tracing(settings)
     checked_factory(
         settings, wait=True
