@@ -41,7 +41,7 @@ class _StepTimer:
 
     def __call__(self, *, step: Any, **_: Any) -> None:
         now = time.monotonic()
-        script = step.up_revision if step.is_upgrade else step.down_revision
+        script = step.up_revision  # the migration run, either way (a downgrade undoes it)
         # The docstring's first paragraph (its title, which may wrap over lines), on one line.
         title = (getattr(script, "longdoc", "") or "").strip().split("\n\n", 1)[0]
         self.on_step(str(step.up_revision_id), now - self.started, " ".join(title.split()))

@@ -329,12 +329,15 @@ def upgrade(
     lock_timeout: float = MIGRATION_LOCK_TIMEOUT_SECONDS,
     tries: int = MIGRATION_LOCK_TRIES,
     wait: float = MIGRATION_LOCK_WAIT_SECONDS,
+    down: bool = False,
 ) -> None:
     """Build or update the schema with the migrations (never create_all); ``on_step`` hears of each
     one as it finishes (each commits on its own: alembic/env.py). A migration that cannot take its
     lock within ``lock_timeout`` seconds, or that Postgres ends to break a deadlock with the running
     service (0016 locks tables in another order than a segment's commit writes them), is tried again, up
-    to ``tries`` times in all (each migration is its own transaction: it rolled back whole)."""
+    to ``tries`` times in all (each migration is its own transaction: it rolled back whole). With
+    ``down``, the migrations after ``revision`` are undone, the same way (`factmill db downgrade`:
+    alembic's own command took no lock timeout, and the running service queued behind its ALTERs)."""
     from alembic import command
 
     config = alembic_config(url)
@@ -343,7 +346,7 @@ def upgrade(
     tries = max(1, tries)
     for attempt in range(1, tries + 1):
         try:
-            command.upgrade(config, revision)
+            (command.downgrade if down else command.upgrade)(config, revision)
             return
         except OperationalError as exc:
             if not (lock_timed_out(exc) or deadlocked(exc)) or attempt == tries:
@@ -383,7 +386,7 @@ class SchemaState(NamedTuple):
             return (
                 f"the database is at revision {', '.join(sorted(self.unknown))}, newer than this factmill "
                 f"knows (its migrations end at {', '.join(sorted(self.heads))}): a newer release upgraded "
-                "it; run that release, or downgrade the schema with it"
+                "it; run that release, or downgrade the schema with it (`factmill db downgrade REVISION`)"
             )
         if not self.current:
             return "the database has no Factmill schema; run `factmill db upgrade` first"

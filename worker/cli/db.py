@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from worker import db
-from worker.cli.console import err, fail, out
+from worker.cli.console import YES_OPTION_HELP, confirmed, err, fail, out
 from worker.cli.sessions import database_url, describe_database, refuse_unset_servers, schema_state
 from worker.core.errors import error_summary
 from worker.embedded import StopOutcome, stop_embedded_postgres, stop_embedded_redis
@@ -82,6 +82,35 @@ def upgrade_schema(
 
 def _report_step(revision: str, seconds: float, doc: str) -> None:
     err.print(f"  {revision} ran in {seconds:.1f} s: {doc}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(
+    revision: Annotated[str, typer.Argument(help="The revision to go back to (e.g. 0048).")],
+    yes: Annotated[bool, typer.Option("--yes", help=YES_OPTION_HELP)] = False,
+) -> None:
+    """Undo the migrations after REVISION, as the release being rolled back to expects.
+
+    With `db upgrade`'s lock timeout and retries (alembic's own command had none: the running service
+    queued behind its ALTERs). A migration that would lose data refuses, saying what to do first."""
+    settings = get_settings()
+    refuse_unset_servers(settings, "database_url")
+    url = database_url(settings)
+    current = db.current_revision(url) or "no schema"
+    if not confirmed(f"Downgrade the schema from {current} to {revision}? A column dropped is gone.", yes):
+        raise fail("nothing was downgraded")
+    from alembic.util import CommandError
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        db.upgrade(url, revision, on_step=_report_step, down=True)
+    except CommandError as exc:  # not one of the migrations' revisions (or one ahead of the schema)
+        raise fail(f"cannot downgrade to {revision!r}: {exc}", code=2) from None
+    except (DBAPIError, RuntimeError) as exc:  # a migration's refusal says what to do first
+        said = error_summary(exc) if isinstance(exc, DBAPIError) else str(exc)
+        stays = db.current_revision(url) or "no schema"
+        raise fail(f"the downgrade stopped (the schema stays at {stays}): {said}") from None
+    out.print(f"schema at revision {db.current_revision(url) or 'no schema'} ({describe_database(settings)})")
 
 
 @db_app.command("current")
