@@ -82,11 +82,16 @@ def test_db_downgrade_undoes_the_migrations_after_a_revision_step_by_step(server
     with fresh_database(server_url, "downgrade") as url:
         env = bare_env(FACTMILL_DATABASE_URL=url, FACTMILL_BROKER_URL="redis://127.0.0.1:1/0")
         assert run_main(["db", "upgrade"], env).returncode == 0
-        result = run_main(["db", "downgrade", PREVIOUS], env)
+        # With no terminal, --yes is needed (what a migration added is dropped with its data).
+        _one_line_error(run_main(["db", "downgrade", PREVIOUS], env), "pass --yes", code=2)
+        assert run_main(["db", "current"], env).stdout.strip() == HEAD
+        result = run_main(["db", "downgrade", PREVIOUS, "--yes"], env)
         assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
         assert f"  {HEAD} ran in " in result.stderr and f"schema at revision {PREVIOUS}" in result.stdout
         assert run_main(["db", "current"], env).stdout.strip() == PREVIOUS
-        _one_line_error(run_main(["db", "downgrade", "0999"], env), "cannot downgrade to '0999'", code=2)
+        _one_line_error(
+            run_main(["db", "downgrade", "0999", "--yes"], env), "cannot downgrade to '0999'", code=2
+        )
         _execute(url, "UPDATE alembic_version SET version_num = '0999'")
         _one_line_error(run_main(["jobs", "list"], env), "`factmill db downgrade REVISION`")
 

@@ -445,6 +445,7 @@ def test_cli_pages_erase(
     from worker.settings import get_settings
 
     monkeypatch.setattr(console, "_interactive", lambda: True)
+    monkeypatch.setattr(console, "_stderr_seen", lambda: True)  # (CliRunner's stderr is no terminal)
     before = page_facts(enabled)
     get_settings.cache_clear()
     asked = CliRunner().invoke(

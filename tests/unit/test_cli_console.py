@@ -103,3 +103,19 @@ def test_a_destructive_command_asks_only_where_someone_can_answer(
     else:
         monkeypatch.setenv("CI", ci)
     assert console._interactive() is asked
+
+
+def test_a_question_that_would_go_to_a_redirected_stderr_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a terminal with stderr redirected (`erase ... 2>erase.log`), the question went to the file
+    while the command waited on stdin: a silent hang. It is refused, saying to pass --yes."""
+    import typer
+
+    from worker.cli import console
+
+    monkeypatch.setattr(console.sys.stdin, "isatty", lambda: True)
+    monkeypatch.setattr(console, "_stderr_seen", lambda: False)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(typer.Exit) as refused:
+        console.confirmed("Erase page x?", yes=False)
+    assert refused.value.exit_code == 2
+    assert console.confirmed("Erase page x?", yes=True)

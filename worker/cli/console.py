@@ -168,17 +168,31 @@ def print_json(data: Any, *, ensure_ascii: bool = True) -> None:
 
 def _interactive() -> bool:
     """Someone may answer: a terminal on stdin, outside CI (a CI step run in a pseudo-terminal, as
-    Buildkite runs them, or `docker run -t`, waited for an answer until the job timed out). Not
-    stderr's: `erase ... 2>&1 | tee log` at a terminal is still asked (the question reaches it)."""
+    Buildkite runs them, or `docker run -t`, waited for an answer until the job timed out)."""
     ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
     return sys.stdin.isatty() and not ci
 
 
-def confirmed(question: str, yes: bool) -> bool:
+def _stderr_seen() -> bool:
+    return sys.stderr.isatty()
+
+
+def confirmed(question: str, yes: bool, *, script_needs_yes: bool = False) -> bool:
     """Whether a destructive command may go on: ``--yes``, or not at a terminal (a script or a pipe:
-    as before), or the person at the terminal says so (the default is no)."""
-    if yes or not _interactive():
+    as before; with ``script_needs_yes``, a usage error instead), or the person at the terminal says so
+    (the default is no). At a terminal whose stderr is redirected, the question would go to the file
+    while the command waited, silent: it is refused, saying to pass --yes."""
+    if yes:
         return True
+    if not _interactive():
+        if script_needs_yes:
+            raise fail("this asks first at a terminal; with no terminal, pass --yes", code=2)
+        return True
+    if not _stderr_seen():
+        raise fail(
+            "this asks first, but stderr is not the terminal (the question would go unseen); pass --yes",
+            code=2,
+        )
     return typer.confirm(question, default=False, err=True)
 
 

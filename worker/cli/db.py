@@ -92,12 +92,14 @@ def db_downgrade(
     """Undo the migrations after REVISION, as the release being rolled back to expects.
 
     With `db upgrade`'s lock timeout and retries (alembic's own command had none: the running service
-    queued behind its ALTERs). A migration that would lose data refuses, saying what to do first."""
+    queued behind its ALTERs). What a migration added is dropped with its data; a few refuse while they
+    hold what cannot be rebuilt, saying what to do first. Asks first; a script passes --yes."""
     settings = get_settings()
     refuse_unset_servers(settings, "database_url")
     url = database_url(settings)
     current = db.current_revision(url) or "no schema"
-    if not confirmed(f"Downgrade the schema from {current} to {revision}? A column dropped is gone.", yes):
+    question = f"Downgrade the schema from {current} to {revision}? A column dropped is gone."
+    if not confirmed(question, yes, script_needs_yes=True):  # (a script that forgot it dropped tables)
         raise fail("nothing was downgraded")
     from alembic.util import CommandError
     from sqlalchemy.exc import DBAPIError

@@ -163,17 +163,21 @@ def _worker_args(concurrency: int) -> list[str]:
     ]
 
 
-def run_demo(
-    settings: Settings, examples: Path, console: Console, err: Console, show: int = 3, concurrency: int = 16
-) -> int:
+def _refuse_production(settings: Settings) -> None:
+    """The demo upgrades the configured database, posts the examples into its default source and starts
+    a worker on its broker (taking real jobs), with real LLM spend if a key is set: not in production."""
     if settings.environment == "production":
-        # It upgrades the configured database, posts the examples into its default source and starts a
-        # worker on its broker (taking real jobs), with real LLM spend if a key is set.
         raise DemoError(
             "the demo does not run with FACTMILL_ENVIRONMENT=production: it would post its example pages "
             "into the configured database and run a worker on its queues; run it with development (the "
             "default) and no server URLs, on the embedded servers"
         )
+
+
+def run_demo(
+    settings: Settings, examples: Path, console: Console, err: Console, show: int = 3, concurrency: int = 16
+) -> int:
+    _refuse_production(settings)
     started = time.perf_counter()
     # Read before anything starts: a folder with no page in it was found out after the servers, the API
     # and a wait for it, and then said to be "unchanged since the last demo".
