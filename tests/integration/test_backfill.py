@@ -1506,6 +1506,20 @@ def test_an_anthropic_batch_deleted_before_its_pass_died_is_finished_without_it(
     assert report["status"] == "done" and report["requests"]["done"] == 8, report
 
 
+def sent_batch_the_provider_does_not_know(
+    factory: sessionmaker[Session], rt: Runtime, sent_days_ago: int = 0
+) -> tuple[int, int]:
+    """A backfill whose one batch was sent (``sent_days_ago``) under an id the provider answers 404 for."""
+    seed_pages(factory, "bf", 2)
+    backfill_id, job_id = start(factory, "bf")
+    assert run_pass(rt, job_id).status == "paused"
+    with factory.begin() as session:
+        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
+        batch.provider_batch_id = f"batch_of_another_project_{backfill_id}"
+        batch.submit_started_at = func.now() - timedelta(days=sent_days_ago)
+    return backfill_id, job_id
+
+
 def test_a_batch_the_provider_does_not_know_with_requests_pending_waits_until_cancelled(
     factory, anthropic_rt, sim
 ):
@@ -1513,13 +1527,8 @@ def test_a_batch_the_provider_does_not_know_with_requests_pending_waits_until_ca
     same provider cannot see it) collected it as gone: its requests counted expired, the backfill
     "done", while the batch ran on, billed, its results and the pages' text left there. It waits now,
     saying why, until the key that sent it is back or the backfill is cancelled."""
-    seed_pages(factory, "bf", 2)
     sim.configure(batch_delay_seconds=3600)
-    backfill_id, job_id = start(factory, "bf")
-    assert run_pass(anthropic_rt, job_id).status == "paused"
-    with factory.begin() as session:
-        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
-        batch.provider_batch_id = "msgbatch_of_another_workspace"
+    backfill_id, job_id = sent_batch_the_provider_does_not_know(factory, anthropic_rt)
     for _ in range(2):
         assert run_pass(anthropic_rt, job_id).status == "paused"
         assert job_row(factory, job_id).pause_reason == "batch"
@@ -1540,22 +1549,23 @@ def test_a_batch_the_provider_does_not_know_with_requests_pending_waits_until_ca
 
 
 def test_a_batch_not_found_past_what_the_provider_keeps_is_collected_as_gone(factory, anthropic_rt, sim):
-    """Sent longer ago than the provider keeps a batch (Anthropic: 29 days; a backfill paused for weeks),
-    a 404 is the batch gone for good, not one held under another key: collected, its requests missing
-    (the next backfill takes the pages), not waiting for a key that would not find it either."""
-    seed_pages(factory, "bf", 2)
+    """Sent longer ago than Anthropic keeps a batch (29 days; a backfill paused for weeks), a 404 is the
+    batch gone for good, not one held under another key: collected, its requests missing (the next
+    backfill takes the pages)."""
     sim.configure(batch_delay_seconds=3600)
-    backfill_id, job_id = start(factory, "bf")
-    assert run_pass(anthropic_rt, job_id).status == "paused"
-    with factory.begin() as session:
-        batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
-        batch.provider_batch_id = "msgbatch_long_gone"
-        batch.submit_started_at = func.now() - timedelta(days=30)
+    backfill_id, job_id = sent_batch_the_provider_does_not_know(factory, anthropic_rt, sent_days_ago=30)
     assert drive(anthropic_rt, job_id).status == "succeeded"
     assert backfill_report(factory, backfill_id)["status"] == "done"
-    assert "done" not in request_statuses(factory, backfill_id) and "pending" not in request_statuses(
-        factory, backfill_id
-    )
+    assert not {"done", "pending"} & set(request_statuses(factory, backfill_id))
+
+
+def test_an_old_batch_openai_does_not_know_still_waits(factory, rt, sim):
+    """OpenAI keeps a batch object: a 404 there is another project's key however old the batch (taken
+    for gone past Anthropic's 29 days, its billed results were abandoned)."""
+    sim.configure(batch_delay_seconds=3600)
+    backfill_id, job_id = sent_batch_the_provider_does_not_know(factory, rt, sent_days_ago=30)
+    assert run_pass(rt, job_id).status == "paused" and job_row(factory, job_id).pause_reason == "batch"
+    assert backfill_report(factory, backfill_id)["status"] == "running"
 
 
 def test_an_anthropic_batch_cancelled_counts_its_unrun_requests_cancelled(factory, anthropic_rt, sim):

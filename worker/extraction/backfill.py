@@ -458,8 +458,8 @@ class BackfillPass:
         it is collected, what it owed missing. Otherwise it is left: a key of another project or workspace
         of the same provider cannot see it (collected as gone, the backfill ended "done" while the batch
         ran on, billed, its results never read)."""
-        sent = batch.submit_started_at
-        kept_no_more = sent is not None and datetime.now(UTC) - sent > PROVIDER_KEEPS
+        sent, kept = batch.submit_started_at, PROVIDER_KEEPS.get(batch.provider)
+        kept_no_more = sent is not None and kept is not None and datetime.now(UTC) - sent > kept
         if kept_no_more or not self.store.pending_requests(batch.id) or self.cancelling():
             self.collect(batch, GONE, fetch=False)
         else:

@@ -59,9 +59,10 @@ FIND_MARGIN = timedelta(minutes=30)
 # A batch's completion window at the providers (24 h), and an hour's margin: past it, the provider has
 # ended the batch (done or expired) and billed what ran.
 PROVIDER_WINDOW = timedelta(hours=25)
-# How long a provider keeps an ended batch and its results: Anthropic 29 days (OpenAI's output files, 30).
-# A batch not found past it is gone for good, not held under another key.
-PROVIDER_KEEPS = timedelta(days=29)
+# How long a provider keeps a batch: Anthropic deletes one and its results after 29 days, so a batch not
+# found past it is gone for good, not held under another key. (OpenAI keeps the batch object: a 404 there
+# is another project's key, however old; its output files expire, a 404 the results read answers.)
+PROVIDER_KEEPS = {"anthropic": timedelta(days=29)}
 
 
 class BatchLLMClient(Protocol):
