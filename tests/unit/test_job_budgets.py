@@ -132,3 +132,12 @@ def test_the_backoff_is_bounded_at_any_attempt_a_budget_allows(attempt: int) -> 
     backoff = Backoff(base_seconds=5.0, max_seconds=300.0)
     ceiling = min(300.0, 5.0 * 2 ** (attempt - 1)) if attempt < 10 else 300.0
     assert ceiling / 2 <= backoff.delay(attempt) <= ceiling
+
+
+def test_the_observations_lock_held_elsewhere_sends_a_recompute_again_without_an_attempt() -> None:
+    """A recompute waiting on the observations' lock (an import, a stream of feedback) raised an
+    unsorted error: each spent an attempt, minutes of contention failed the job, its note naming a file."""
+    from worker.calibration.queries import ObservationsBusyError
+
+    result = result_for_error(get_kind("calibration"), ObservationsBusyError("the observations are busy"))
+    assert result.status == "requeue"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from worker.calibration.queries import ObservationsBusyError
 from worker.calibration.service import recompute
 from worker.calibration.store import CalibrationStore
 from worker.config_store import CALIBRATION_ENABLED
@@ -40,6 +41,9 @@ KIND = register(
         queue="calibration",
         switch=CALIBRATION_ENABLED,
         work=recompute_job,
-        errors=(ErrorRule(ValueError, "fail"),),  # bad settings: retrying cannot help
+        # Bad settings: retrying cannot help. The observations' lock held by an import or a stream of
+        # feedback: sent again, spending the worker-loss budget, not an attempt (unsorted, minutes of
+        # contention failed the job, its note "ObservationsBusyError at queries.py").
+        errors=(ErrorRule(ValueError, "fail"), ErrorRule(ObservationsBusyError, "requeue")),
     )
 )
