@@ -335,6 +335,25 @@ def test_an_error_answered_with_a_200_is_classified_as_its_code_says(sim, error,
     assert caught.value.usage is not None and caught.value.usage.input_tokens == 7
 
 
+def test_an_error_in_a_200_reply_with_no_usage_bills_nothing_and_embeddings_read_it_too(sim):
+    """With no usage in the body, the reply billed zero tokens: read as a zero usage (not "unknown"), the
+    shared tokens-per-minute limit kept each try's whole output cap charged. And an embeddings reply
+    holding the error was "not an embeddings list": final, unretried, its words and status lost."""
+    sim.configure(raw_replies={"chat.completions": {"error": {"code": 429, "message": "slow down"}}})
+    with pytest.raises(LLMError) as caught:
+        openai_client(sim).chat(REQUEST)
+    assert caught.value.status == 429 and caught.value.usage is None
+    sim.configure(raw_replies={"embeddings": {"error": {"code": 502, "message": "upstream said no"}}})
+    with pytest.raises(LLMError) as embedding:
+        openai_client(sim).embed(["x"])
+    assert embedding.value.retryable and embedding.value.status == 502
+    assert "upstream said no" in str(embedding.value) and embedding.value.answered_by is not None
+    sim.configure(raw_replies={"embeddings": {"error": {"code": 401, "message": "bad key"}}})
+    with pytest.raises(LLMError) as refused:
+        openai_client(sim).embed(["x"])
+    assert not refused.value.retryable and refused.value.status == 401
+
+
 def test_a_call_answered_by_a_dated_snapshot_is_costed_at_its_models_price(tx_factory, sim):
     """OpenAI answers a call to gpt-4o-mini with model "gpt-4o-mini-2024-07-18" (Anthropic names the
     snapshot behind "-latest" the same way). Costed by that exact name, every real provider call cost 0,

@@ -1163,6 +1163,20 @@ def test_a_deadlines_clock_starts_at_the_first_call_and_ends_tries_and_waits(mon
     assert deadline.time_left() is None
 
 
+def test_a_retry_after_past_the_deadline_ends_the_call_at_once_with_the_providers_answer(monkeypatch) -> None:
+    """A 429 saying "after 30 s" under a search's 10 s deadline: the wait was cut to the 10 s left and
+    slept out, the next try refused, and the caller told the LLM was slow (the 429 lost). It ends now."""
+    clock = FakeClock()
+    monkeypatch.setattr(deadline, "time", SimpleNamespace(monotonic=clock))
+    inner = ScriptedClient(retryable(429, retry_after=30), ok_response())
+    sleeps = Sleeps()
+    retrying = RetryingClient(inner, RetryPolicy(max_attempts=5, max_total_wait_seconds=60), sleep=sleeps)
+    with deadline.call_deadline(10.0), pytest.raises(LLMError) as refused:
+        retrying.chat(REQUEST)
+    assert not isinstance(refused.value, CallDeadlineError) and refused.value.status == 429
+    assert sleeps == [] and inner.calls == 1
+
+
 def test_a_rate_limits_wait_past_the_deadline_ends_the_call_at_once(monkeypatch) -> None:
     """A search whose key's limit was 30 s ahead slept the 30 s out, then was refused (10 s of calls):
     the client had given up long before. A wait that ends past the deadline ends the call now, charged

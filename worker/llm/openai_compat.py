@@ -56,8 +56,12 @@ def _usage(completion: Any) -> Usage:
 
 
 def _billed(completion: Any) -> Usage | None:
-    """The token counts of a reply that cannot be used otherwise, when they can be read (None else)."""
+    """The token counts of a reply that cannot be used otherwise, when it gives them (None else: read as
+    zero, a gateway's `200 {"error": ...}` with no usage kept its whole output cap charged in the shared
+    tokens-per-minute limit, every try of a storm)."""
     try:
+        if not isinstance(completion, dict) or not completion.get("usage"):
+            return None
         return _usage(completion)
     except (ReplyShapeError, AttributeError, TypeError):
         return None
@@ -216,6 +220,12 @@ class OpenAIChatClient:
             error.answered_by = error.answered_by or (self.provider, self.embedding_model)
             raise error from exc
         latency_ms = int((time.perf_counter() - started) * 1000)
+        # A gateway's error inside a 200 (its 429 or 502 retried, its 401 the deployment's), as for chat:
+        # read as "not an embeddings list", each was final and unretried, the provider's words lost.
+        failed = error_in_reply(result, latency_ms, _embeddings_billed(result))
+        if failed is not None:
+            failed.answered_by = failed.answered_by or (self.provider, self.embedding_model)
+            raise failed
         try:
             items = sorted(result["data"], key=lambda item: item["index"])
             vectors = [finite_vector(_vector(item["embedding"]), "data[].embedding") for item in items]
@@ -242,9 +252,11 @@ class OpenAIChatClient:
 
 
 def _embeddings_billed(result: Any) -> Usage | None:
-    """The tokens an embeddings reply that cannot be used billed, when they can be read (None else)."""
+    """The tokens an embeddings reply that cannot be used billed, when it gives them (None else)."""
     try:
-        usage = result.get("usage") or {}
+        if not isinstance(result, dict) or not result.get("usage"):
+            return None
+        usage = result["usage"]
         return Usage(input_tokens=token_count(usage.get("prompt_tokens"), "usage.prompt_tokens"))
     except (ReplyShapeError, AttributeError, TypeError):
         return None

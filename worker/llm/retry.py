@@ -142,6 +142,12 @@ class _WaitBudgetSpent(tenacity.stop.stop_base):
         outcome = retry_state.outcome
         exc = outcome.exception() if outcome is not None else None
         retry_after = exc.retry_after if isinstance(exc, LLMError) else None
+        left = time_left()
+        if retry_after is not None and left is not None and retry_after >= left:
+            # The provider's "not before" is past the caller's deadline (a search's 10 s): its 429 is the
+            # answer now. Waited out to the deadline, the next try was refused anyway, the thread held
+            # the whole time, and the caller was told the LLM was slow.
+            return True
         return self.policy.wait_budget_spent(retry_state.idle_for, retry_after)
 
 
