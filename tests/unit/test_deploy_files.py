@@ -236,7 +236,7 @@ def test_the_image_holds_every_package_its_code_imports():
         assert not missing, f"{package}/ imports {sorted(missing)}, which deploy/Dockerfile does not copy"
 
 
-def _compose_environment(exported: dict[str, str]) -> dict[str, str]:
+def _compose_environment(exported: dict[str, str], service: str = "api") -> dict[str, str]:
     """The factmill services' environment as `docker compose` passes it with ``exported`` set in the
     shell: `${VAR:?message}` needs VAR, `${VAR:-default}` falls back to the default ("" too)."""
     import re
@@ -250,7 +250,7 @@ def _compose_environment(exported: dict[str, str]) -> dict[str, str]:
 
         return re.sub(r"\$\{(\w+)(:[?-])?([^}]*)\}", one, str(value))
 
-    return {name: interpolate(value) for name, value in SERVICES["worker-extraction"]["environment"].items()}
+    return {name: interpolate(value) for name, value in SERVICES[service]["environment"].items()}
 
 
 @pytest.mark.parametrize(
@@ -404,3 +404,18 @@ def test_a_worker_pod_counts_available_only_past_its_start():
         if d["kind"] == "Deployment" and d["metadata"]["name"].startswith("factmill-worker-")
     ]
     assert workers and all(d["spec"]["minReadySeconds"] > wait for d in workers)
+
+
+def test_compose_gives_the_apis_secrets_to_the_api_alone():
+    """Every container took the webhook secret and the admin token through one shared environment:
+    a compromised worker or Flower held the bootstrap admin credential."""
+    for name, service in SERVICES.items():
+        if "environment" not in service or name in ("postgres", "redis"):
+            continue
+        holds = {"FACTMILL_WEBHOOK_SECRET", "FACTMILL_ADMIN_TOKEN"} & set(service["environment"])
+        assert bool(holds) == (name == "api"), name
+    assert set(SERVICES["flower"]["environment"]) == {
+        "FACTMILL_ENVIRONMENT",
+        "FACTMILL_BROKER_URL",
+        "FLOWER_BASIC_AUTH",
+    }
