@@ -422,6 +422,19 @@ def test_the_providers_x_should_retry_is_obeyed_over_the_status(sdk: Any) -> Non
             },
             True,
         ),
+        # A wrong key or a region refused, in a vocabulary neither SDK's provider uses (vLLM's
+        # --api-key, LiteLLM, a proxy): the deployment's (each compaction in flight failed for good).
+        (openai, 401, {"message": "Unauthorized"}, True),
+        (openai, 401, {"message": "Authentication Error", "type": "auth_error"}, True),
+        (
+            openai,
+            403,
+            {
+                "message": "Country, region, or territory not supported",
+                "code": "unsupported_country_region_territory",
+            },
+            True,
+        ),
         # The request's own content: the segment's fault.
         (
             openai,

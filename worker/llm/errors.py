@@ -288,11 +288,11 @@ def error_code(body: Any) -> str | None:
 def blames_deployment(body: Any, message: str, status: int | None = None) -> bool:
     """Whether an error blames the account or the settings (DEPLOYMENT_ERROR_*), by its error's type or
     codes (Anthropic names the account's and the settings' troubles in ``details.error_code`` under a
-    plain invalid_request_error or rate_limit_error), an HTTP 402 (payment required), a 400 naming the
-    output cap's parameter, or the words of Anthropic's credit balance and of an output cap over the
-    model's limit."""
+    plain invalid_request_error or rate_limit_error), an HTTP 401, 402 or 403 in any vocabulary (a wrong
+    key at vLLM or behind a proxy), a 400 naming the output cap's parameter, or the words of Anthropic's
+    credit balance and of an output cap over the model's limit."""
     codes, types = _error_names(body)
-    if status == 402 or any(c in DEPLOYMENT_ERROR_CODES for c in codes):
+    if status in (401, 402, 403) or any(c in DEPLOYMENT_ERROR_CODES for c in codes):
         return True
     lowered = message.lower()
     # Not a request too long for the model's context (vLLM names max_tokens then): that one is the
