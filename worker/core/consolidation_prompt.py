@@ -112,8 +112,7 @@ def parse_decisions(text: str, numbers: Sequence[int]) -> dict[int, PairDecision
     retry). A pair number written as digits and a verdict in another case are read as meant; a decision
     still unusable (not an object, no pair number, an unknown verdict) is left out as a skipped pair is:
     raised, one bad item of forty threw the other answers away on every retry, and the job failed at
-    the same fact on every later run. A reply that is not an object with a "decisions" list raises, and
-    so does one with no usable decision for a question of several pairs."""
+    the same fact on every later run. A reply that is not an object with a "decisions" list raises."""
     try:
         document = reply_json(text)  # (the one rule for a reply's JSON: worker.core.jsonvalues)
     except (ValueError, TypeError, RecursionError) as exc:  # ValueError: JSON, or an int of 4,300+ digits
@@ -123,14 +122,7 @@ def parse_decisions(text: str, numbers: Sequence[int]) -> dict[int, PairDecision
         raise MalformedDecisionsError('the reply has no "decisions" list')
     wanted = set(numbers)
     out: dict[int, PairDecision] = {}
-    decisions = [_decision(item) for item in items]
-    if len(wanted) > 1 and decisions and all(d is None for d in decisions):
-        # Not one usable for a question of several pairs: a vocabulary the model does not follow. Read
-        # as all skipped, every pair was asked again (paid twice), then kept unrelated, the call "ok".
-        raise MalformedDecisionsError(
-            "no decision in the reply is usable (a verdict or pair number outside the schema)"
-        )
-    for decision in decisions:
+    for decision in map(_decision, items):
         if decision is not None and decision.pair in wanted:
             out.setdefault(decision.pair, decision)
     return out
