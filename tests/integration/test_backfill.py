@@ -1507,16 +1507,24 @@ def test_an_anthropic_batch_deleted_before_its_pass_died_is_finished_without_it(
 
 
 def sent_batch_the_provider_does_not_know(
-    factory: sessionmaker[Session], rt: Runtime, sent_days_ago: int = 0
+    factory: sessionmaker[Session], rt: Runtime, sim: Simulator, sent_days_ago: int = 0
 ) -> tuple[int, int]:
-    """A backfill whose one batch was sent (``sent_days_ago``) under an id the provider answers 404 for."""
+    """A backfill whose one batch was sent (``sent_days_ago``) under an id the provider answers 404 for.
+    The batch really sent is ended and deleted: left running, a later test's end_batches() made its
+    result files, and that test's count of the files held was one off."""
     seed_pages(factory, "bf", 2)
     backfill_id, job_id = start(factory, "bf")
     assert run_pass(rt, job_id).status == "paused"
     with factory.begin() as session:
         batch = session.scalars(select(BackfillBatch).where(BackfillBatch.backfill_id == backfill_id)).one()
-        batch.provider_batch_id = f"batch_of_another_project_{backfill_id}"
+        sent_as, batch.provider_batch_id = batch.provider_batch_id, f"batch_of_another_project_{backfill_id}"
         batch.submit_started_at = func.now() - timedelta(days=sent_days_ago)
+    assert sent_as is not None
+    sim.end_batches()
+    if rt.settings.llm == "anthropic":
+        AnthropicBatchClient(AnthropicChatClient(model="simulator-1", base_url=sim.url)).discard(sent_as)
+    else:
+        OpenAIBatchClient(OpenAIChatClient(model="simulator-1", base_url=sim.base_url)).discard(sent_as)
     return backfill_id, job_id
 
 
@@ -1528,7 +1536,7 @@ def test_a_batch_the_provider_does_not_know_with_requests_pending_waits_until_ca
     "done", while the batch ran on, billed, its results and the pages' text left there. It waits now,
     saying why, until the key that sent it is back or the backfill is cancelled."""
     sim.configure(batch_delay_seconds=3600)
-    backfill_id, job_id = sent_batch_the_provider_does_not_know(factory, anthropic_rt)
+    backfill_id, job_id = sent_batch_the_provider_does_not_know(factory, anthropic_rt, sim)
     for _ in range(2):
         assert run_pass(anthropic_rt, job_id).status == "paused"
         assert job_row(factory, job_id).pause_reason == "batch"
@@ -1553,19 +1561,24 @@ def test_a_batch_not_found_past_what_the_provider_keeps_is_collected_as_gone(fac
     batch gone for good, not one held under another key: collected, its requests missing (the next
     backfill takes the pages)."""
     sim.configure(batch_delay_seconds=3600)
-    backfill_id, job_id = sent_batch_the_provider_does_not_know(factory, anthropic_rt, sent_days_ago=30)
+    backfill_id, job_id = sent_batch_the_provider_does_not_know(factory, anthropic_rt, sim, sent_days_ago=30)
     assert drive(anthropic_rt, job_id).status == "succeeded"
     assert backfill_report(factory, backfill_id)["status"] == "done"
     assert not {"done", "pending"} & set(request_statuses(factory, backfill_id))
 
 
-def test_an_old_batch_openai_does_not_know_still_waits(factory, rt, sim):
+def test_an_old_batch_openai_does_not_know_still_waits(factory, database_url, sim):
     """OpenAI keeps a batch object: a 404 there is another project's key however old the batch (taken
     for gone past Anthropic's 29 days, its billed results were abandoned)."""
     sim.configure(batch_delay_seconds=3600)
-    backfill_id, job_id = sent_batch_the_provider_does_not_know(factory, rt, sent_days_ago=30)
-    assert run_pass(rt, job_id).status == "paused" and job_row(factory, job_id).pause_reason == "batch"
-    assert backfill_report(factory, backfill_id)["status"] == "running"
+    openai = {"llm": "openai", "openai_api_key": "sk-test", "llm_base_url": sim.base_url}
+    for openai_rt in backfill_runtime(factory, database_url, **openai):  # (once: closed after)
+        backfill_id, job_id = sent_batch_the_provider_does_not_know(factory, openai_rt, sim, sent_days_ago=30)
+        assert run_pass(openai_rt, job_id).status == "paused"
+        assert job_row(factory, job_id).pause_reason == "batch"
+        assert backfill_report(factory, backfill_id)["status"] == "running"
+        with factory() as session:
+            assert session.scalar(select(BackfillBatch.provider)) == "openai"
 
 
 def test_an_anthropic_batch_cancelled_counts_its_unrun_requests_cancelled(factory, anthropic_rt, sim):
