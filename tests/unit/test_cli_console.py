@@ -119,3 +119,21 @@ def test_a_question_that_would_go_to_a_redirected_stderr_is_refused(monkeypatch:
         console.confirmed("Erase page x?", yes=False)
     assert refused.value.exit_code == 2
     assert console.confirmed("Erase page x?", yes=True)
+
+
+def test_a_question_reaches_the_terminal_through_a_pipe_not_through_a_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """`erase ... 2>&1 | tee log` at a terminal is asked (the question reaches it through tee); stderr
+    going to a file is not (the question would go unseen: refused, asking for --yes)."""
+    import os
+
+    from worker.cli import console
+
+    read_end, write_end = os.pipe()
+    with open(write_end, "w") as piped, open(tmp_path / "err.log", "w") as logged:
+        monkeypatch.setattr(console.sys, "stderr", piped)
+        assert console._stderr_seen()
+        monkeypatch.setattr(console.sys, "stderr", logged)
+        assert not console._stderr_seen()
+    os.close(read_end)

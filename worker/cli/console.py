@@ -6,6 +6,7 @@ import ipaddress
 import json
 import os
 import re
+import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -174,7 +175,12 @@ def _interactive() -> bool:
 
 
 def _stderr_seen() -> bool:
-    return sys.stderr.isatty()
+    """Whether a question on stderr may reach the terminal: stderr is one, or a pipe (`2>&1 | tee log`);
+    not a file or /dev/null."""
+    try:
+        return sys.stderr.isatty() or stat.S_ISFIFO(os.fstat(sys.stderr.fileno()).st_mode)
+    except (OSError, ValueError, AttributeError):  # a stream with no descriptor (a test runner's)
+        return False
 
 
 def confirmed(question: str, yes: bool, *, script_needs_yes: bool = False) -> bool:
@@ -190,7 +196,7 @@ def confirmed(question: str, yes: bool, *, script_needs_yes: bool = False) -> bo
         return True
     if not _stderr_seen():
         raise fail(
-            "this asks first, but stderr is not the terminal (the question would go unseen); pass --yes",
+            "this asks first, but stderr goes to a file (the question would go unseen); pass --yes",
             code=2,
         )
     return typer.confirm(question, default=False, err=True)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from worker import db
-from worker.cli.console import YES_OPTION_HELP, confirmed, err, fail, out
+from worker.cli.console import confirmed, err, fail, out
 from worker.cli.sessions import database_url, describe_database, refuse_unset_servers, schema_state
 from worker.core.errors import error_summary
 from worker.embedded import StopOutcome, stop_embedded_postgres, stop_embedded_redis
@@ -87,7 +87,9 @@ def _report_step(revision: str, seconds: float, doc: str) -> None:
 @db_app.command("downgrade")
 def db_downgrade(
     revision: Annotated[str, typer.Argument(help="The revision to go back to (e.g. 0048).")],
-    yes: Annotated[bool, typer.Option("--yes", help=YES_OPTION_HELP)] = False,
+    yes: Annotated[
+        bool, typer.Option("--yes", help="Do not ask first (at a terminal it asks; a script must pass it).")
+    ] = False,
 ) -> None:
     """Undo the migrations after REVISION, as the release being rolled back to expects.
 
