@@ -56,12 +56,8 @@ def _usage(completion: Any) -> Usage:
 
 
 def _billed(completion: Any) -> Usage | None:
-    """The token counts of a reply that cannot be used otherwise, when it gives them (None else: read as
-    zero, a gateway's `200 {"error": ...}` with no usage kept its whole output cap charged in the shared
-    tokens-per-minute limit, every try of a storm)."""
+    """The token counts of a reply that cannot be used otherwise, when they can be read (None else)."""
     try:
-        if not isinstance(completion, dict) or not completion.get("usage"):
-            return None
         return _usage(completion)
     except (ReplyShapeError, AttributeError, TypeError):
         return None
@@ -158,7 +154,10 @@ class OpenAIChatClient:
 
     def response_from(self, completion: Any, latency_ms: int) -> ChatResponse:
         """A chat completion's JSON (online, or one line of a batch's output file) in the gateway's terms."""
-        failed = error_in_reply(completion, latency_ms, _billed(completion))
+        # An error that says no usage billed none (read as zero, a gateway's `200 {"error": ...}` kept
+        # its whole output cap charged in the shared tokens-per-minute limit, every try of a storm).
+        said = isinstance(completion, dict) and completion.get("usage")
+        failed = error_in_reply(completion, latency_ms, _billed(completion) if said else None)
         if failed is not None:
             raise failed
         try:
@@ -222,7 +221,8 @@ class OpenAIChatClient:
         latency_ms = int((time.perf_counter() - started) * 1000)
         # A gateway's error inside a 200 (its 429 or 502 retried, its 401 the deployment's), as for chat:
         # read as "not an embeddings list", each was final and unretried, the provider's words lost.
-        failed = error_in_reply(result, latency_ms, _embeddings_billed(result))
+        said = isinstance(result, dict) and result.get("usage")
+        failed = error_in_reply(result, latency_ms, _embeddings_billed(result) if said else None)
         if failed is not None:
             failed.answered_by = failed.answered_by or (self.provider, self.embedding_model)
             raise failed
@@ -252,11 +252,9 @@ class OpenAIChatClient:
 
 
 def _embeddings_billed(result: Any) -> Usage | None:
-    """The tokens an embeddings reply that cannot be used billed, when it gives them (None else)."""
+    """The tokens an embeddings reply that cannot be used billed, when they can be read (None else)."""
     try:
-        if not isinstance(result, dict) or not result.get("usage"):
-            return None
-        usage = result["usage"]
+        usage = result.get("usage") or {}
         return Usage(input_tokens=token_count(usage.get("prompt_tokens"), "usage.prompt_tokens"))
     except (ReplyShapeError, AttributeError, TypeError):
         return None
