@@ -1318,7 +1318,17 @@ def test_an_erasure_that_deadlocks_with_a_job_s_expiry_is_made_again(factory: se
     with factory.begin() as session:
         job = request_job(session, EXTRACTION, f"default|{SLUG}").job_id
         session.add(audit_row(SLUG, job_id=job))
+    # Postgres checks a wait for a deadlock once, deadlock_timeout after it began (1 s): on a loaded
+    # machine the sweep's DELETE came later than that, the erasure's check found no cycle yet, and the
+    # sweep's own check ended the sweep instead. The erasure's sessions check after 5 s, the sweep's
+    # after 60, so the cycle is formed before the erasure's check, and the erasure is the one ended.
+    engine = factory.kw["bind"]
+    with engine.connect() as admin:
+        admin.execute(text(f"ALTER DATABASE \"{engine.url.database}\" SET deadlock_timeout = '5s'"))
+        admin.commit()
+    engine.dispose()  # its new connections take the setting
     with factory() as sweep, ThreadPoolExecutor(1) as pool:
+        sweep.execute(text("SET deadlock_timeout = '60s'"))
         sweep.execute(select(Job.id).where(Job.id == job).with_for_update())  # the sweep's hold on the job
         erasing = pool.submit(erase_page, factory, "default", SLUG, "test")
         assert waits_on_a_lock(factory, erasing, "%jobs%"), "the erasure never waited on the sweep's job"
