@@ -460,7 +460,7 @@ class BackfillPass:
         ran on, billed, its results never read)."""
         sent, kept = batch.submit_started_at, PROVIDER_KEEPS.get(batch.provider)
         kept_no_more = sent is not None and kept is not None and datetime.now(UTC) - sent > kept
-        if kept_no_more or not self.store.pending_requests(batch.id) or self.cancelling():
+        if kept_no_more or not self.store.has_pending(batch.id) or self.cancelling():
             self.collect(batch, GONE, fetch=False)
         else:
             said = "configure the key that sent it (cancelled, the backfill counts what it owes missing"

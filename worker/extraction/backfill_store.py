@@ -341,6 +341,12 @@ class BackfillStore:
             ).all()
         return [RequestRow(*row) for row in rows]
 
+    def has_pending(self, batch_id: int) -> bool:
+        """Whether a request of the batch still waits for a result (not loaded: a batch holds 50,000)."""
+        pending = BackfillRequest.batch_id == batch_id, BackfillRequest.status == "pending"
+        with read_only(self._factory) as session:
+            return bool(session.scalar(select(select(BackfillRequest.id).where(*pending).exists())))
+
     def still_pending(self, request_ids: Sequence[int]) -> set[int]:
         with read_only(self._factory) as session:
             rows = session.scalars(

@@ -454,7 +454,8 @@ def error_in_reply(body: Any, latency_ms: int, usage: Usage | None = None) -> LL
     OpenRouter send one met once the model began ({"error": {"code": 502, "message": ...}}); None for
     any other reply. Read as the shape it lacked, it was permanent and its words lost: an upstream 502
     or 429 was never tried again. A code that is a word is tried again only when it names the server's
-    trouble (SERVER_TROUBLE_CODES); ``usage`` is what the reply billed, if it says."""
+    trouble (SERVER_TROUBLE_CODES); ``usage`` is what the reply billed, when it says (a body with no usage
+    billed none: read as zero, a gateway's storm kept each try's output cap charged in the rate limiter)."""
     if not isinstance(body, Mapping) or "choices" in body or not isinstance(body.get("error"), Mapping):
         return None
     code = body["error"].get("code")
@@ -472,7 +473,7 @@ def error_in_reply(body: Any, latency_ms: int, usage: Usage | None = None) -> LL
         latency_ms=latency_ms,
         deployment_fault=c.deployment_fault,
         code=c.code,
-        usage=usage,
+        usage=usage if body.get("usage") else None,  # none said: none billed (zero kept the cap charged)
         too_large=c.too_large,
     )
 

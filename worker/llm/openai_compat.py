@@ -154,10 +154,7 @@ class OpenAIChatClient:
 
     def response_from(self, completion: Any, latency_ms: int) -> ChatResponse:
         """A chat completion's JSON (online, or one line of a batch's output file) in the gateway's terms."""
-        # An error that says no usage billed none (read as zero, a gateway's `200 {"error": ...}` kept
-        # its whole output cap charged in the shared tokens-per-minute limit, every try of a storm).
-        said = isinstance(completion, dict) and completion.get("usage")
-        failed = error_in_reply(completion, latency_ms, _billed(completion) if said else None)
+        failed = error_in_reply(completion, latency_ms, _billed(completion))
         if failed is not None:
             raise failed
         try:
@@ -221,8 +218,7 @@ class OpenAIChatClient:
         latency_ms = int((time.perf_counter() - started) * 1000)
         # A gateway's error inside a 200 (its 429 or 502 retried, its 401 the deployment's), as for chat:
         # read as "not an embeddings list", each was final and unretried, the provider's words lost.
-        said = isinstance(result, dict) and result.get("usage")
-        failed = error_in_reply(result, latency_ms, _embeddings_billed(result) if said else None)
+        failed = error_in_reply(result, latency_ms, _embeddings_billed(result))
         if failed is not None:
             failed.answered_by = failed.answered_by or (self.provider, self.embedding_model)
             raise failed
